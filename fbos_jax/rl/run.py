@@ -1,0 +1,92 @@
+"""End-to-end run: tokenizer -> (warm start) -> RL -> checkpoints -> plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+from absl import logging
+
+from fbos_jax import metrics as metrics_lib
+from fbos_jax.rl import sft as sft_lib
+from fbos_jax.rl.env import Environment
+from fbos_jax.rl.trainer import RLTrainer
+
+
+def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = True):
+  t_start = time.perf_counter()
+  os.makedirs(workdir, exist_ok=True)
+  if init_from_hf:
+    config = _with_hf(config, init_from_hf)
+  env = Environment.from_config(config, workdir)
+  trainer = RLTrainer(config, workdir, env=env)
+  params = None
+  if config.model.hf_path:
+    from fbos_jax.model.hf import load_hf_params
+    params, _ = load_hf_params(config.model.hf_path, mesh=trainer.mesh, rules=trainer.rules)
+  state = trainer.init_state(params)
+  state, resumed = trainer.maybe_restore(state)
+  if resumed:
+    metrics_lib.truncate_jsonl(trainer.metrics.path, int(state.step))
+  elif config.train.warm_start == "sft":
+    t0 = time.perf_counter()
+    params, cached = sft_lib.warm_start(config, env, state.params, mesh=trainer.mesh,
+                                        cache_dir=os.path.join(workdir, "sft"))
+    _print(f"warm start (SFT, {config.sft.steps} steps): "
+           f"{'cached' if cached else f'{time.perf_counter() - t0:.0f}s'}")
+    state = trainer.init_state(params)
+  evals = env.eval_examples()
+  start_acc = None
+  if evals and int(state.step) == 0:
+    start_acc = trainer.evaluate(state.params, evals, k=config.train.eval_k, step=0)
+    _print(f"held-out accuracy at RL start: {start_acc['eval/accuracy']:.3f} "
+           f"({len(evals)} prompts, greedy)")
+  t0 = time.perf_counter()
+  state, history = trainer.train(state, eval_examples=evals)
+  rl_s = time.perf_counter() - t0
+  summary = {"algo": config.algo, "rl_steps": int(state.step), "rl_seconds": rl_s,
+             "total_seconds": time.perf_counter() - t_start}
+  if evals:
+    end = trainer.evaluate(state.params, evals, k=config.train.eval_k, step=int(state.step))
+    summary["eval_start"] = start_acc["eval/accuracy"] if start_acc else None
+    summary["eval_end"] = end["eval/accuracy"]
+    _print(f"held-out accuracy at RL end:   {end['eval/accuracy']:.3f}"
+           + (f" (start {start_acc['eval/accuracy']:.3f})" if start_acc else ""))
+  rows = [r for r in history if "time/step_s" in r]
+  if rows:
+    import numpy as np
+    for k in ("time/sample1_s", "time/round2_s", "time/verify_s", "time/update_s", "time/step_s"):
+      vals = [r[k] for r in rows if k in r]
+      if vals:
+        summary[f"median_{k.split('/')[1]}"] = float(np.median(vals))
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    if plot:
+      png = metrics_lib.plot_metrics(metrics_lib.read_jsonl(trainer.metrics.path),
+                                     os.path.join(workdir, "metrics.png"),
+                                     title=f"{config.algo} ({config.variant})")
+      _print(f"curves: {png}")
+  trainer.close()
+  _print(json.dumps(summary))
+  return state, summary
+
+
+def _with_hf(config, path):
+  from fbos_jax.model.hf import model_config_from_hf
+  mc = model_config_from_hf(path)
+  with config.unlocked():
+    import dataclasses
+    for f in dataclasses.fields(mc):
+      if f.name in ("param_dtype", "compute_dtype", "remat"):
+        continue
+      config.model[f.name] = getattr(mc, f.name)
+    config.model.hf_path = path
+  return config
+
+
+def _print(msg: str):
+  if jax.process_index() == 0:
+    print(msg, flush=True)

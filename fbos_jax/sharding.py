@@ -1,0 +1,220 @@
+"""Mesh construction and logical-axis sharding rules (Levanter / MaxText style).
+
+Every array has *logical* axis names (``("layers", "embed", "heads", "head_dim")``);
+the config's ``mesh.rules`` map each logical name to zero, one or several mesh
+axes. The mesh always has the axes ``MESH_AXES``:
+
+- ``dcn``: across slices / nodes (data parallel over the slow network);
+- ``data``: plain data parallel inside a slice / node;
+- ``fsdp``: data parallel whose parameters and optimizer state are sharded;
+- ``tensor``: tensor (model) parallel: heads, MLP width and vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("dcn", "data", "fsdp", "tensor")
+
+# The default logical -> mesh rules. Order matters only for readability.
+DEFAULT_RULES = (
+    ("batch", ("dcn", "data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("head_dim", None),
+    ("norm", None),
+    ("seq", None),
+    ("cache_seq", None),
+)
+
+BATCH_AXES = ("dcn", "data", "fsdp")
+
+
+class ShardingError(ValueError):
+  pass
+
+
+def mesh_shape_from_config(mesh_cfg, num_devices: int) -> dict[str, int]:
+  """Resolve the config's axis sizes (one of them may be -1 = 'the rest')."""
+  sizes = {a: int(mesh_cfg.get(a, 1)) for a in MESH_AXES}
+  free = [a for a, s in sizes.items() if s == -1]
+  if len(free) > 1:
+    raise ShardingError(f"At most one mesh axis may be -1; got mesh.{free[0]} and mesh.{free[1]}.")
+  known = math.prod(s for s in sizes.values() if s != -1)
+  if free:
+    if num_devices % known:
+      raise ShardingError(
+          f"mesh: the fixed axes multiply to {known}, which does not divide the "
+          f"{num_devices} devices; change mesh.{'/'.join(a for a in MESH_AXES if a not in free)}.")
+    sizes[free[0]] = num_devices // known
+  total = math.prod(sizes.values())
+  if total != num_devices:
+    raise ShardingError(
+        "mesh: axes " + " x ".join(f"{a}={sizes[a]}" for a in MESH_AXES) +
+        f" multiply to {total}, but there are {num_devices} devices. Set one axis "
+        "to -1 (e.g. --config.mesh.data=-1) or fix the sizes.")
+  return sizes
+
+
+def make_mesh(mesh_cfg, devices: Optional[Sequence[Any]] = None) -> Mesh:
+  """Build a concrete mesh over ``devices`` (default: all devices, all processes)."""
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = mesh_shape_from_config(mesh_cfg, len(devices))
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  if sizes["dcn"] > 1 and len(devices) == len(jax.devices()) and jax.process_count() > 1:
+    from jax.experimental import mesh_utils
+    ici = (1,) + shape[1:]
+    dcn = (sizes["dcn"], 1, 1, 1)
+    arr = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
+  else:
+    try:
+      from jax.experimental import mesh_utils
+      arr = mesh_utils.create_device_mesh(shape, devices=devices)
+    except Exception:  # fake CPU devices / odd topologies: plain order
+      arr = np.asarray(devices).reshape(shape)
+  return Mesh(arr, MESH_AXES)
+
+
+def make_abstract_mesh(mesh_cfg, num_devices: int) -> jax.sharding.AbstractMesh:
+  """A mesh of ``num_devices`` that does not exist here (dry runs, memory plans)."""
+  sizes = mesh_shape_from_config(mesh_cfg, num_devices)
+  return jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+
+
+def rules_dict(rules: Iterable) -> dict[str, Any]:
+  out = {}
+  for name, target in rules:
+    if isinstance(target, list):
+      target = tuple(target)
+    out[str(name)] = target
+  return out
+
+
+def logical_to_spec(logical_axes: Sequence[Optional[str]], rules) -> P:
+  """Map a tuple of logical axis names to a PartitionSpec."""
+  r = rules if isinstance(rules, dict) else rules_dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name in logical_axes:
+    target = None if name is None else r.get(name)
+    if target is None:
+      spec.append(None)
+      continue
+    targets = (target,) if isinstance(target, str) else tuple(target)
+    targets = tuple(t for t in targets if t not in used)  # a mesh axis is used once
+    used.update(targets)
+    spec.append(targets[0] if len(targets) == 1 else (targets or None))
+  return P(*spec)
+
+
+def _axis_size(mesh, entry) -> int:
+  if entry is None:
+    return 1
+  names = (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[n] for n in names)
+
+
+def fit_spec(spec: P, shape: Sequence[int], mesh) -> P:
+  """Drop mesh axes that do not divide a dimension (e.g. a batch of 1), keeping
+  the rest; size-1 mesh axes are dropped too so specs print cleanly."""
+  out = []
+  for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    if entry is None:
+      out.append(None)
+      continue
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = tuple(n for n in names if mesh.shape[n] > 1)
+    while kept and dim % math.prod(mesh.shape[n] for n in kept):
+      kept = kept[:-1]
+    out.append(kept[0] if len(kept) == 1 else (kept or None))
+  return P(*out)
+
+
+def check_divisible(name: str, shape, spec: P, mesh, field_hint: str = ""):
+  """Raise a clear error if a sharded dimension is not divisible by its mesh axes."""
+  for dim, entry in zip(shape, spec):
+    n = _axis_size(mesh, entry)
+    if dim % n:
+      raise ShardingError(
+          f"{name}: dimension of size {dim} is sharded over mesh axes {entry} of total size "
+          f"{n}, which does not divide it. {field_hint}".strip())
+
+
+def tree_specs(logical_tree, rules, abstract_tree=None, mesh=None, strict=False):
+  """Logical-axes pytree -> PartitionSpec pytree (optionally fitted to shapes)."""
+  is_leaf = lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x)
+  specs = jax.tree.map(lambda ax: logical_to_spec(ax, rules), logical_tree, is_leaf=is_leaf)
+  if abstract_tree is None or mesh is None:
+    return specs
+  if strict:
+    def chk(path, s, a):
+      check_divisible(jax.tree_util.keystr(path), a.shape, s, mesh)
+      return s
+    return jax.tree.map_with_path(chk, specs, abstract_tree, is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(lambda s, a: fit_spec(s, a.shape, mesh), specs, abstract_tree,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def tree_shardings(mesh, specs):
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_shape(shape: Sequence[int], spec: P, mesh) -> tuple[int, ...]:
+  out = []
+  for i, dim in enumerate(shape):
+    entry = spec[i] if i < len(spec) else None
+    out.append(-(-dim // _axis_size(mesh, entry)))
+  return tuple(out)
+
+
+def per_device_bytes(abstract_tree, specs, mesh) -> int:
+  """Bytes one device holds for a pytree of ShapeDtypeStructs sharded by ``specs``."""
+  total = 0
+  for a, s in zip(jax.tree.leaves(abstract_tree),
+                  jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+    total += math.prod(shard_shape(a.shape, s, mesh)) * np.dtype(a.dtype).itemsize
+  return total
+
+
+def batch_spec(rank: int, mesh=None, batch_size: Optional[int] = None) -> P:
+  """PartitionSpec for a [batch, ...] array: batch over (dcn, data, fsdp)."""
+  spec = P(BATCH_AXES, *([None] * (rank - 1)))
+  if mesh is not None and batch_size is not None:
+    spec = fit_spec(spec, (batch_size,) + (1,) * (rank - 1), mesh)
+  return spec
+
+
+def batch_shard_count(mesh) -> int:
+  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def constrain(x, mesh, logical_axes, rules):
+  """with_sharding_constraint by logical names; a no-op without a mesh."""
+  if mesh is None:
+    return x
+  spec = fit_spec(logical_to_spec(logical_axes, rules), x.shape, mesh)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def put_process_local(local: np.ndarray, mesh) -> jax.Array:
+  """Place this process's rows of a [batch, ...] array as a global array sharded
+  over the batch axes (``jax.make_array_from_process_local_data``): every host
+  contributes its own shard, nothing is gathered to one host."""
+  local = np.asarray(local)
+  spec = batch_spec(local.ndim)
+  global_rows = local.shape[0] * jax.process_count()
+  spec = fit_spec(spec, (global_rows,) + local.shape[1:], mesh)
+  sharding = NamedSharding(mesh, spec)
+  if jax.process_count() == 1:
+    return jax.device_put(local, sharding)
+  return jax.make_array_from_process_local_data(sharding, local)

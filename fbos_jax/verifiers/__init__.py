@@ -1,0 +1,36 @@
+"""Verifiers: reward + natural-language feedback for each response.
+
+Public API (see ``base.py`` for the protocol)::
+
+  from fbos_jax import verifiers
+  verify = verifiers.get_verifier("procedural")           # or "math", "ifeval",
+                                                          # "code", "pkg.mod:attr"
+  with verifiers.VerifierPool(verify, num_workers=8, timeout_s=10) as pool:
+    verdicts, stats = pool.run(examples, responses)       # Verdict(reward, feedback, info)
+
+The built-in verifier modules (``procedural``, ``math``, ``ifeval``, ``code``)
+are imported lazily by ``get_verifier`` so that importing this package stays
+cheap.
+"""
+
+from fbos_jax.verifiers.base import CORRECT_FEEDBACK
+from fbos_jax.verifiers.base import coerce_verdict
+from fbos_jax.verifiers.base import error_verdict
+from fbos_jax.verifiers.base import get_verifier
+from fbos_jax.verifiers.base import list_verifiers
+from fbos_jax.verifiers.base import register_verifier
+from fbos_jax.verifiers.base import Verdict
+from fbos_jax.verifiers.base import Verifier
+from fbos_jax.verifiers.base import VerifierPool
+
+__all__ = [
+    "CORRECT_FEEDBACK",
+    "coerce_verdict",
+    "error_verdict",
+    "get_verifier",
+    "list_verifiers",
+    "register_verifier",
+    "Verdict",
+    "Verifier",
+    "VerifierPool",
+]

@@ -1,0 +1,50 @@
+"""The verifier for the procedural task families in ``fbos_jax.tasks``.
+
+Reward is 1.0 for an exactly correct response, else ``partial_credit *
+score`` where ``score`` in [0, 1] is the family's partial-credit fraction
+(``partial_credit`` defaults to 0, i.e. binary rewards). Feedback is the
+family's located error lines joined by ``"; "``, e.g. ``"the answer has 3
+digits, expected 2; digit 2 from the right is wrong"``. With
+``feedback_reveals_answer=True`` it ends with ``"; the correct answer is X"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from fbos_jax import tasks
+from fbos_jax.verifiers.base import CORRECT_FEEDBACK
+from fbos_jax.verifiers.base import register_verifier
+from fbos_jax.verifiers.base import Verdict
+
+SEPARATOR = "; "  # joins feedback lines (short, stays on one line)
+
+
+@register_verifier("procedural")
+class ProceduralVerifier:
+  """Checks responses to ``tasks.make_example`` problems of any family.
+
+  Args:
+    feedback_reveals_answer: append the reference answer to the feedback of
+      wrong responses (off by default; see ALGORITHMS.md section 6).
+    partial_credit: weight of the family's partial score for wrong responses
+      (0 = binary reward).
+  """
+
+  def __init__(self, feedback_reveals_answer: bool = False,
+               partial_credit: float = 0.0):
+    if not 0.0 <= partial_credit < 1.0:
+      raise ValueError("partial_credit must be in [0, 1)")
+    self.feedback_reveals_answer = feedback_reveals_answer
+    self.partial_credit = partial_credit
+
+  def __call__(self, example: Mapping[str, Any], response: str) -> Verdict:
+    result = tasks.check(example, response)
+    info = {"task": example["task"], "score": result.score, **result.info}
+    if result.correct:
+      return Verdict(1.0, CORRECT_FEEDBACK, info)
+    lines = list(result.errors)
+    if self.feedback_reveals_answer:
+      lines.append(f"the correct answer is {tasks.solve(example)}")
+    return Verdict(self.partial_credit * result.score, SEPARATOR.join(lines),
+                   info)

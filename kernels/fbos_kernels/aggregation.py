@@ -1,0 +1,105 @@
+"""Loss aggregation as (sum, denominator) pairs (ALGORITHMS.md section 2).
+
+Every mode returns a pair ``(sum, denom)`` of scalars whose *sums over pieces*
+(micro-batches, gradient-accumulation steps, data-parallel shards) equal the
+whole-batch pair. Callers add the pairs and divide once with
+:func:`safe_divide`, so every mode is exact under any split along the batch
+(row) axis, and ``token-mean`` is also exact under splits along time.
+
+For gradient accumulation, the denominator depends only on masks, never on
+parameters: compute the total denominator first (or accumulate ``grad(sum)``
+over pieces and divide the accumulated gradient by the accumulated
+denominator); both give exactly the whole-batch gradient.
+
+Rules:
+
+* **empty rows** (no unmasked token) drop out of every denominator: they add
+  0 to the sum and 0 to the row count.
+* **all-masked batch**: ``(0, 0)``, and :func:`safe_divide` returns 0 with a
+  zero (not NaN) gradient.
+* masked positions are excluded with ``where`` so NaN/inf in padding does not
+  leak into the value.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+
+from ._util import float_dtype, safe_div
+
+__all__ = ["AGGREGATION_MODES", "aggregate", "aggregate_loss", "safe_divide", "masked_mean", "masked_sum"]
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def safe_divide(total, denom):
+    """``total / denom`` where ``denom > 0``, else 0 (finite gradient in both cases)."""
+    return safe_div(jnp.asarray(total), jnp.asarray(denom))
+
+
+def _masked(loss, mask):
+    loss = jnp.asarray(loss)
+    loss = loss.astype(float_dtype(loss))
+    m = jnp.asarray(mask)
+    mf = m.astype(loss.dtype)
+    present = mf != 0
+    return jnp.where(present, loss * mf, 0.0), mf
+
+
+def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None):
+    """Aggregate a per-token loss into an exact ``(sum, denom)`` pair.
+
+    Args:
+      loss: ``[B, T]`` per-token loss.
+      mask: ``[B, T]`` bool/float loss mask (float masks act as token weights).
+      mode:
+        * ``token-mean``: ``(sum_bt l m, sum_bt m)``.
+        * ``seq-mean-token-mean``: ``(sum_b rowsum_b / rowcount_b, #nonempty rows)``
+          (sum over nonempty rows only).
+        * ``seq-mean-token-sum``: ``(sum_b rowsum_b, #nonempty rows)``.
+        * ``seq-mean-token-sum-norm`` (Dr.GRPO): ``(sum_b rowsum_b / norm_len,
+          #nonempty rows)``, i.e. the mean over sequences of ``rowsum / L`` with
+          a constant ``L`` (the max response length). verl divides by ``T``
+          only (not by the number of sequences); we follow the Dr.GRPO paper's
+          ``1/(G * L_max)`` form.
+      norm_len: the constant ``L`` for ``seq-mean-token-sum-norm``; defaults to
+        ``T = loss.shape[-1]``. Pass the configured max response length so that
+        pieces padded to different ``T`` agree.
+
+    Returns:
+      ``(sum, denom)`` float scalars. Final loss = ``safe_divide(sum, denom)``.
+    """
+    lm, mf = _masked(loss, mask)
+    if mode == "token-mean":
+        return jnp.sum(lm), jnp.sum(mf)
+    rowsum = jnp.sum(lm, axis=-1)
+    rowcount = jnp.sum(mf, axis=-1)
+    nonempty = rowcount > 0
+    nrows = jnp.sum(nonempty.astype(lm.dtype))
+    if mode == "seq-mean-token-mean":
+        return jnp.sum(safe_div(rowsum, rowcount)), nrows
+    if mode == "seq-mean-token-sum":
+        return jnp.sum(rowsum), nrows
+    if mode == "seq-mean-token-sum-norm":
+        L = loss.shape[-1] if norm_len is None else norm_len
+        return jnp.sum(rowsum) / L, nrows
+    raise ValueError(f"unknown aggregation mode {mode!r}; valid: {AGGREGATION_MODES}")
+
+
+def aggregate_loss(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None):
+    """Convenience: ``safe_divide(*aggregate(loss, mask, mode, norm_len=norm_len))`` for one piece."""
+    return safe_divide(*aggregate(loss, mask, mode, norm_len=norm_len))
+
+
+def masked_sum(x, mask, axis=None):
+    """``sum(x * mask)`` over ``axis``, ignoring NaN/inf at masked positions."""
+    xm, _ = _masked(x, mask)
+    return jnp.sum(xm, axis=axis)
+
+
+def masked_mean(x, mask, axis=None):
+    """``sum(x m) / sum(m)`` over ``axis``; 0 (not NaN) where ``sum(m) == 0``."""
+    xm, mf = _masked(x, jnp.broadcast_to(jnp.asarray(mask), jnp.shape(x)))
+    return safe_div(jnp.sum(xm, axis=axis), jnp.sum(mf, axis=axis))
