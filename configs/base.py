@@ -74,6 +74,8 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.mesh.num_devices = 0  # >0: plan for this many (abstract) devices in --dry_run
 
   c.data = default_data_config()
+  from fbos_jax.templates import default_template_config
+  c.templates = default_template_config()
 
   c.sampling = mlc.ConfigDict()
   c.sampling.max_new_tokens = 512
@@ -86,10 +88,9 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.sampling.eval_temperature = 0.0  # greedy held-out evaluation (pass@1)
 
   c.verifier = mlc.ConfigDict()
-  c.verifier.name = "procedural"  # registry name or "pkg.module:callable"
+  # (which verifier: config.data.verifier, a registry name or "pkg.module:attr")
   c.verifier.timeout_s = 10.0
   c.verifier.workers = 4
-  c.verifier.feedback_reveals_answer = False
   c.verifier.success_threshold = 1.0  # reward >= this counts as solved
 
   c.rl = mlc.ConfigDict()
@@ -114,8 +115,6 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.rl.round2_size = 8  # m: round-2 rollouts per prompt
   c.rl.fap_from = "failed"  # failed | all: which round-1 rollouts get a FAP
   c.rl.fap_mode = "single"  # single: FAP(q, o_i, F_i) | aggregated: GOLF's one prompt per q
-  c.rl.fap_template = "compact"  # template name in fbos_jax/templates.py
-  c.rl.fap_max_tokens = 0  # 0 = sampling.max_prompt_tokens
   # --- EPA: feedback-guided rollouts pulled back onto q as off-policy samples
   c.rl.w_epa = 1.0
   c.rl.epa_select = "correct"  # correct | improved | all
@@ -198,8 +197,10 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
     c.sft.learning_rate = 2e-3
   else:
     c.train.warm_start = ""
+    # gradient accumulation so one micro-batch's activations fit (see --dry_run)
+    c.rl.micro_batches = {"qwen3_0_6b": 4, "qwen_8b": 8, "qwen_8b_h100": 32}[c.variant]
     c.data.source = "jsonl"
-    c.verifier.name = "math"
+    c.data.verifier = "math"
     c.optim.learning_rate = 1e-6
   return c
 

@@ -35,7 +35,8 @@ def memory_plan(config, num_devices: int) -> dict[str, Any]:
   logical = qwen.param_logical_axes(model_cfg)
   specs = sh.tree_specs(logical, rules, abstract, mesh, strict=True)
   opt = make_optimizer(config.optim, config.train.steps)
-  opt_abstract = jax.eval_shape(opt.init, abstract)
+  from fbos_jax.rl.update import init_opt_state
+  opt_abstract = jax.eval_shape(lambda p: init_opt_state(opt, p, config.optim), abstract)
   # optimizer moments follow the params' sharding (same shapes); scalars replicated
   opt_specs = _match_specs(opt_abstract, abstract, specs)
   grads = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), abstract)
@@ -52,6 +53,17 @@ def memory_plan(config, num_devices: int) -> dict[str, Any]:
       "gradients": sh.per_device_bytes(grads, specs, mesh),
       "kv_cache": sh.per_device_bytes(cache, cache_specs, mesh),
   }
+  # activations of one update micro-batch with the configured remat: the layer
+  # inputs saved for the backward pass, [rows, T, D] per layer (an estimate)
+  micro_rows = -(-rows // (batch_shards * max(config.rl.micro_batches, 1)))
+  act_bytes = jnp.dtype(model_cfg.compute_dtype).itemsize
+  per_layer = micro_rows * seq * model_cfg.hidden_size * act_bytes
+  if model_cfg.remat == "none":
+    per_layer *= 6 + 3 * model_cfg.intermediate_size // model_cfg.hidden_size
+  # plus the one layer being recomputed: its float32 attention scores [rows, H/tp, T, T]
+  heads_local = -(-model_cfg.num_heads // mesh.shape["tensor"])
+  scores = micro_rows * heads_local * seq * seq * 4
+  out["activations"] = model_cfg.num_layers * per_layer + scores
   out["total"] = sum(out.values())
   return {
       "param_count": qwen.count_params(abstract),
@@ -87,9 +99,9 @@ def format_plan(plan: dict, hbm: dict[str, int] | None = None) -> str:
   for name, spec in plan["param_specs"].items():
     lines.append(f"  {name:<22} {spec}")
   lines.append(f"per-device memory (KV cache for {plan['kv_rows']} rows x {plan['kv_seq']} slots):")
-  for k in ("params", "optimizer", "gradients", "kv_cache", "total"):
+  for k in ("params", "optimizer", "gradients", "kv_cache", "activations", "total"):
     lines.append(f"  {k:<10} {b[k] / GiB:8.2f} GiB")
   for name, cap in (hbm or {}).items():
     lines.append(f"  fits {name} ({cap / GiB:.0f} GiB HBM): {'yes' if b['total'] < cap else 'NO'}"
-                 f" ({100 * b['total'] / cap:.0f}% used, activations not included)")
+                 f" ({100 * b['total'] / cap:.0f}% used)")
   return "\n".join(lines)

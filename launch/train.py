@@ -9,12 +9,7 @@ On a TPU pod every worker runs the same command; on a GPU cluster pass
 where they are read from the environment). See README "Scale-out".
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
-
+import _common  # noqa: F401  (repo + kernels/ on sys.path)
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 

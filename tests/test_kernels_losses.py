@@ -5,7 +5,6 @@ f(u) = u/(u+lam) without clipping; AReaL behaviour weight masked (not clipped)
 above the cap; verl's k3 clamps; entropy in float32.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

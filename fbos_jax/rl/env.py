@@ -10,7 +10,6 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from fbos_jax import data as data_lib
-from fbos_jax import sampling
 from fbos_jax import templates
 from fbos_jax import tokenizer as tok_lib
 from fbos_jax.verifiers import VerifierPool, get_verifier
@@ -27,6 +26,7 @@ class Environment:
                              timeout_s=config.verifier.timeout_s)
     self.train_iter = train_iter
     self._eval_examples = eval_examples
+    self.prompts = templates.PromptBuilder(tokenizer, config.templates)
     self.pad_id = int(tokenizer.pad_token_id)
     self.eos_id = int(tokenizer.eos_token_id)
     self.vocab_size = len(tokenizer)
@@ -43,17 +43,15 @@ class Environment:
       if not os.path.exists(os.path.join(tok_path, "tokenizer.json")):
         tok_lib.build_char_tokenizer(tok_path)
     tokenizer = tok_lib.load_tokenizer(tok_path)
-    verifier = get_verifier(config.verifier.name,
-                            **_verifier_kwargs(config))
+    verifier = get_verifier(config.data.verifier, **_verifier_kwargs(config))
     pi = jax.process_index() if process_index is None else process_index
     pc = jax.process_count() if process_count is None else process_count
     local_batch = config.rl.prompts_per_step // pc
     train_iter = data_lib.make_prompt_iterator(config.data, batch_size=local_batch,
                                                process_index=pi, process_count=pc,
-                                               seed=config.seed, split="train")
-    eval_n = config.train.eval_prompts // pc if config.train.eval_prompts else 0
-    eval_examples = data_lib.eval_examples(config.data, eval_n, process_index=pi,
-                                           process_count=pc) if eval_n else []
+                                               seed=config.data.shuffle_seed + config.seed,
+                                               tokenizer=tokenizer)
+    eval_examples = held_out_examples(config, process_index=pi, process_count=pc)
     return cls(config, tokenizer, verifier, train_iter=train_iter, eval_examples=eval_examples)
 
   # ----------------------------------------------------------------- data
@@ -72,27 +70,23 @@ class Environment:
 
   # ----------------------------------------------------------------- text
   def prompt_ids(self, example) -> list[int]:
-    return templates.render_prompt(self.tokenizer, example["prompt"])
+    return self.prompts.plain(example["prompt"]).token_ids
 
   def fap_ids(self, example, response: str, feedback: str) -> list[int]:
     """FAP(q, o, F): the feedback-augmented prompt of one rollout."""
-    c = self.config
-    return templates.fap_prompt(self.tokenizer, example["prompt"], response, feedback,
-                                style=c.rl.fap_template,
-                                max_prompt_tokens=c.rl.fap_max_tokens or c.sampling.max_prompt_tokens)
+    return self.prompts.fap(example["prompt"], response, feedback).token_ids
 
   def aggregated_ids(self, example, responses: Sequence[str], feedbacks: Sequence[str],
                      rewards) -> list[int]:
     """GOLF's aggregated refinement prompt over q's failed attempts."""
-    c = self.config
-    thr = c.verifier.success_threshold
-    attempts = [(r, f, float(s)) for r, f, s in zip(responses, feedbacks, rewards) if s < thr]
-    return templates.aggregated_prompt(
-        self.tokenizer, example["prompt"], attempts, style=c.rl.fap_template,
-        max_prompt_tokens=c.rl.fap_max_tokens or c.sampling.max_prompt_tokens)
+    thr = self.config.verifier.success_threshold
+    attempts = [templates.Attempt(r, f, float(s))
+                for r, f, s in zip(responses, feedbacks, rewards) if s < thr]
+    return self.prompts.aggregated(example["prompt"], attempts).token_ids
 
   def fcp_prompt(self, example, feedback: str) -> list[int]:
-    return templates.fcp_prompt(self.tokenizer, example["prompt"], feedback)
+    """FCP's feedback-conditioned prompt <EF>c</EF>q."""
+    return self.prompts.fcp(example["prompt"], feedback).token_ids
 
   def decode(self, tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
     out = []
@@ -110,6 +104,7 @@ class Environment:
   # ----------------------------------------------------------------- sampling
   def sample(self, params, model_cfg, prompts, *, n, key, mesh, rules, temperature,
              prompt_buckets):
+    from fbos_jax import sampling
     sc = self.config.sampling
     return sampling.sample(
         params, model_cfg, prompts, key=key, n_per_prompt=n, mesh=mesh, rules=rules,
@@ -123,8 +118,28 @@ class Environment:
       close()
 
 
+def held_out_examples(config, *, process_index: int = 0, process_count: int = 1) -> list:
+  """This host's share of the fixed held-out set (the eval split, unshuffled)."""
+  n = int(config.train.eval_prompts)
+  if n <= 0:
+    return []
+  dc = data_lib.default_data_config()
+  dc.update(config.data.to_dict())
+  dc.split = "eval"
+  dc.shuffle = False
+  dc.num_epochs = 1
+  if dc.source == "procedural":
+    dc.num_examples = n
+  it = data_lib.make_prompt_iterator(dc, batch_size=max(n // process_count, 1),
+                                     process_index=process_index, process_count=process_count)
+  try:
+    return list(next(it))
+  except StopIteration:
+    return []
+
+
 def _verifier_kwargs(config) -> dict:
   kw = dict(config.verifier.get("kwargs", {}) or {})
-  if config.verifier.name in ("procedural", "math", "ifeval", "code"):
-    kw.setdefault("feedback_reveals_answer", config.verifier.feedback_reveals_answer)
+  if config.data.verifier in ("procedural", "math", "ifeval", "code"):
+    kw.setdefault("feedback_reveals_answer", config.data.feedback_reveals_answer)
   return kw

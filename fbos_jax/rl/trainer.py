@@ -68,8 +68,9 @@ def validate_rl_config(config, num_batch_shards: int = 1):
   if rl.gfpo_k and not rl.gfpo_adaptive and not 0 < rl.gfpo_k < rl.group_size:
     errs.append(f"rl.gfpo_k={rl.gfpo_k} must be in [1, group_size-1={rl.group_size - 1}] "
                 "(GFPO keeps k of G)")
-  if rl.round2 and config.verifier.name == "none":
-    errs.append("rl.round2=True (fap_mode set) needs verifier feedback, but verifier.name='none'")
+  if rl.round2 and config.data.verifier in ("", "none"):
+    errs.append(f"rl.round2=True (fap_mode={rl.fap_mode!r}) needs verifier feedback, but "
+                f"data.verifier={config.data.verifier!r}")
   if rl.w_ecc > 0 and not rl.round2:
     errs.append(f"rl.w_ecc={rl.w_ecc} > 0 trains on FAPs, which needs rl.round2=True")
   if rl.advantage not in ("grpo", "drgrpo", "batch_std"):
@@ -136,7 +137,7 @@ class RLTrainer:
                        out_shardings=self.param_shardings)(jax.random.key(cfg.seed))
     else:
       params = jax.device_put(params, self.param_shardings)
-    opt_state = jax.jit(self.optimizer.init)(params)
+    opt_state = jax.jit(lambda p: update_lib.init_opt_state(self.optimizer, p, cfg.optim))(params)
     rng = jax.random.key_data(jax.random.key(cfg.seed + 1))
     state = update_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                   opt_state=opt_state, rng=rng)

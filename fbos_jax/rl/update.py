@@ -224,6 +224,14 @@ def make_logprob_fn(model_cfg: qwen.ModelConfig, lc: LossConfig):
   return fn
 
 
+def init_opt_state(optimizer, params, optim_cfg):
+  """Optimizer state in ``optim.opt_state_dtype`` (float32 by default) even when
+  the params are bf16: both Adam moments are kept in that dtype."""
+  dt = jnp.dtype(optim_cfg.get("opt_state_dtype", "float32"))
+  return optimizer.init(jax.tree.map(lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating)
+                                     else p, params))
+
+
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
   """AdamW with warmup + constant/cosine schedule and global-norm clipping."""
   warm = max(int(optim_cfg.warmup_steps), 0)

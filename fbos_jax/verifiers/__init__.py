@@ -3,8 +3,8 @@
 Public API (see ``base.py`` for the protocol)::
 
   from fbos_jax import verifiers
-  verify = verifiers.get_verifier("procedural")           # or "math", "ifeval",
-                                                          # "code", "pkg.mod:attr"
+  verify = verifiers.make_verifier(config.data)           # or get_verifier("math"),
+                                                          # "ifeval", "code", "pkg.mod:attr"
   with verifiers.VerifierPool(verify, num_workers=8, timeout_s=10) as pool:
     verdicts, stats = pool.run(examples, responses)       # Verdict(reward, feedback, info)
 
@@ -15,9 +15,11 @@ cheap.
 
 from fbos_jax.verifiers.base import CORRECT_FEEDBACK
 from fbos_jax.verifiers.base import coerce_verdict
+from fbos_jax.verifiers.base import DispatchVerifier
 from fbos_jax.verifiers.base import error_verdict
 from fbos_jax.verifiers.base import get_verifier
 from fbos_jax.verifiers.base import list_verifiers
+from fbos_jax.verifiers.base import make_verifier
 from fbos_jax.verifiers.base import register_verifier
 from fbos_jax.verifiers.base import Verdict
 from fbos_jax.verifiers.base import Verifier
@@ -26,9 +28,11 @@ from fbos_jax.verifiers.base import VerifierPool
 __all__ = [
     "CORRECT_FEEDBACK",
     "coerce_verdict",
+    "DispatchVerifier",
     "error_verdict",
     "get_verifier",
     "list_verifiers",
+    "make_verifier",
     "register_verifier",
     "Verdict",
     "Verifier",

@@ -167,6 +167,43 @@ def get_verifier(name_or_path: str, **kwargs: Any) -> Verifier:
   return _REGISTRY[name_or_path](**kwargs)
 
 
+class DispatchVerifier:
+  """Routes each example to the verifier named by ``example["verifier"]``.
+
+  Examples without that key use ``default``. Verifiers are built on first
+  use with ``kwargs`` (registered names and classes) and cached, so a mixed
+  dataset (procedural + math + code) needs one pool.
+  """
+
+  def __init__(self, default: str, **kwargs: Any):
+    self.default = default
+    self.kwargs = kwargs
+    self._cache: dict[str, Verifier] = {}
+
+  def get(self, name: str) -> Verifier:
+    if name not in self._cache:
+      self._cache[name] = get_verifier(name, **self.kwargs)
+    return self._cache[name]
+
+  def __call__(self, example: Mapping[str, Any], response: str) -> Verdict:
+    return coerce_verdict(
+        self.get(example.get("verifier") or self.default)(example, response))
+
+
+def make_verifier(data_config) -> Verifier:
+  """The verifier a data config asks for (``data.default_data_config()``).
+
+  Uses ``data_config.verifier`` as the default name, per-example
+  ``"verifier"`` keys when present, and passes ``feedback_reveals_answer=True``
+  only when the config turns it on (so a plain-function verifier given by
+  import path works with the default config).
+  """
+  kwargs = {}
+  if data_config.get("feedback_reveals_answer", False):
+    kwargs["feedback_reveals_answer"] = True
+  return DispatchVerifier(data_config.verifier, **kwargs)
+
+
 # ----------------------------------------------------------------------------
 # The pool.
 

@@ -301,6 +301,7 @@ class RunResult:
     return self.status == "ok"
 
 
+_PROBE_PROGRAM = "import heapq, json, subprocess, traceback\nprint('ok')\n"
 _UNSHARE_ROOT = ["unshare", "--net", "--pid", "--fork", "--kill-child",
                  "--mount-proc"]
 _UNSHARE_USER = ["unshare", "--user", "--map-root-user", "--net", "--pid",
@@ -334,6 +335,24 @@ def _user_task_count(uid: int) -> int:
     if int(fields.get("Uid", "-1").split()[0]) == uid:
       n += int(fields.get("Threads", "1").strip() or 1)
   return n
+
+
+def _child_pids(pid: int) -> list[int]:
+  """Direct children of ``pid``."""
+  try:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+      return [int(c) for c in f.read().split()]
+  except OSError:  # kernels without CONFIG_PROC_CHILDREN: scan /proc
+    out = []
+    for p in os.listdir("/proc"):
+      if p.isdigit():
+        try:
+          with open(f"/proc/{p}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+              out.append(int(p))
+        except (OSError, IndexError, ValueError):
+          pass
+    return out
 
 
 def kill_uid(uid: int, rounds: int = 5) -> int:
@@ -428,7 +447,8 @@ class Sandbox:
         caps["nproc_enforced"] = drop or not self._is_root
         self._caps = caps
         try:
-          res = self._run(caps, "print('ok')", "", SandboxLimits(wall_s=20))
+          # Importing unloaded stdlib modules checks the uid can read them.
+          res = self._run(caps, _PROBE_PROGRAM, "", SandboxLimits(wall_s=20))
           if res.stdout.strip() == "ok":
             caps["notes"] = notes
             if prefix is None and self.isolation == "namespaces":
@@ -531,6 +551,18 @@ class Sandbox:
           rc = proc.wait(timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
           timed_out = True
+          if caps["namespaces"]:
+            # Kill the PID namespace's init first: the kernel then kills the
+            # rest of the namespace and unshare exits only once it is empty.
+            for child in _child_pids(proc.pid):
+              try:
+                os.kill(child, signal.SIGKILL)
+              except ProcessLookupError:
+                pass
+            try:
+              proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+              pass
         finally:
           try:
             os.killpg(proc.pid, signal.SIGKILL)

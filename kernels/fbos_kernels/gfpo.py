@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence, Union
 
-import jax
 import jax.numpy as jnp
 
 from ._util import as_bool_mask, float_dtype

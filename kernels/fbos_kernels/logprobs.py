@@ -41,7 +41,7 @@ placeholder): mask them.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +93,11 @@ def _varying(x, axes):
 
     def cast(a):
         missing = tuple(n for n in axes if n not in _vma(a))
-        return lax.pcast(a, missing, to="varying") if missing else a
+        if not missing:
+            return a
+        if hasattr(lax, "pcast"):  # jax >= 0.8
+            return lax.pcast(a, missing, to="varying")
+        return lax.pvary(a, missing)  # pragma: no cover - jax 0.7
 
     return jax.tree.map(cast, x)
 
@@ -191,7 +195,7 @@ def _stats_backward(hidden, unembed, targets, temperature, lse, ent, g_lse, g_en
                 ge = jnp.where(row_fresh, sl(g_ent), 0.0)[..., None]
                 dz = dz - ge * p * (z - lse_c + ent_c)
             dz = dz + jnp.where(col_fresh & (col == y[..., None]), gy, 0.0)
-            # z = a / temperature with a = h @ w
+            # z = a / temperature with a = h @ w, so dL/dtemperature = -sum(dz z) / temperature
             dtemp = dtemp - jnp.sum(dz * z) / temperature
             da = dz / temperature
             dh_c = jnp.einsum("btv,dv->btd", da, w, preferred_element_type=f32)

@@ -1,0 +1,107 @@
+"""Config files, validation messages and the dry-run memory plans."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from ml_collections import config_flags  # noqa: F401  (the loader launch/train.py uses)
+
+from fbos_jax.plan import HBM_BYTES, memory_plan
+from fbos_jax.rl.trainer import validate_rl_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN3_8B_PARAMS = 8_190_735_360
+
+
+def load(spec):
+  """configs/NAME.py:ARG -> ConfigDict (as absl's config_flags would)."""
+  path, _, arg = spec.partition(":")
+  import importlib.util
+  mod_spec = importlib.util.spec_from_file_location("cfg_" + os.path.basename(path)[:-3],
+                                                    os.path.join(ROOT, path))
+  mod = importlib.util.module_from_spec(mod_spec)
+  mod_spec.loader.exec_module(mod)
+  return mod.get_config(arg) if arg else mod.get_config()
+
+
+ALL_TINY = ["configs/grpo.py:tiny", "configs/grpo.py:tiny,drgrpo", "configs/gfpo.py:tiny",
+            "configs/gfpo.py:tiny,token_efficiency", "configs/gfpo.py:tiny,adaptive",
+            "configs/golf.py:tiny", "configs/fbos.py:tiny", "configs/fcp.py:tiny",
+            "configs/sft.py:tiny"]
+
+
+@pytest.mark.parametrize("spec", ALL_TINY)
+def test_every_tiny_config_builds_and_validates(spec):
+  c = load(spec)
+  validate_rl_config(c)
+  assert c.variant == "tiny"
+
+
+def test_unknown_variant_and_flavor_are_clear():
+  with pytest.raises(ValueError, match="Unknown config variant 'huge'"):
+    load("configs/fbos.py:huge")
+  with pytest.raises(ValueError, match="flavor"):
+    load("configs/grpo.py:tiny,nope")
+
+
+def test_bad_rl_combinations_name_the_fields():
+  c = load("configs/grpo.py:tiny")
+  c.rl.group_size = 1
+  with pytest.raises(ValueError, match="rl.group_size=1"):
+    validate_rl_config(c)
+  c = load("configs/gfpo.py:tiny")
+  c.rl.gfpo_k = c.rl.group_size
+  with pytest.raises(ValueError, match="rl.gfpo_k=16"):
+    validate_rl_config(c)
+  c = load("configs/fbos.py:tiny")
+  c.data.verifier = "none"
+  with pytest.raises(ValueError, match="data.verifier"):
+    validate_rl_config(c)
+  c = load("configs/fbos.py:tiny")
+  with pytest.raises(ValueError, match="batch shards"):
+    validate_rl_config(c, num_batch_shards=3)
+
+
+def test_qwen_8b_param_count_and_memory_plans():
+  c = load("configs/fbos.py:qwen_8b")
+  for n in (32, 64):
+    plan = memory_plan(c, n)
+    assert plan["param_count"] == QWEN3_8B_PARAMS
+    total = plan["bytes_per_device"]["total"]
+    assert total < HBM_BYTES["v5p"], (n, total)
+    assert plan["bytes_per_device"]["params"] * n >= QWEN3_8B_PARAMS * 2  # bf16, sharded
+  h100 = memory_plan(load("configs/fbos.py:qwen_8b_h100"), 16)
+  assert h100["bytes_per_device"]["total"] < HBM_BYTES["h100"]
+  assert h100["mesh"]["tensor"] == 8 and h100["mesh"]["dcn"] == 2
+
+
+def test_mesh_that_does_not_divide_heads_is_rejected():
+  c = load("configs/fbos.py:qwen_8b")
+  with c.unlocked():
+    c.mesh.tensor = 3
+    c.mesh.fsdp = 1
+    c.mesh.data = -1
+  with pytest.raises(ValueError, match="does not divide"):
+    memory_plan(c, 24)
+
+
+def test_dry_run_cli_prints_plan():
+  out = subprocess.run(
+      [sys.executable, "launch/train.py", "--config=configs/fbos.py:qwen_8b", "--dry_run",
+       "--mesh_devices=32"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "params: 8,190,735,360" in out.stdout
+  assert "fsdp=8 x tensor=4 (32 devices)" in out.stdout
+  assert "fits v5p (95 GiB HBM): yes" in out.stdout
+
+
+def test_cli_override_reaches_config():
+  out = subprocess.run(
+      [sys.executable, "launch/train.py", "--config=configs/grpo.py:qwen3_0_6b", "--dry_run",
+       "--mesh_devices=8", "--config.rl.group_size=16", "--config.mesh.tensor=2"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "KV cache for 1024 rows" in out.stdout  # 64 prompts x 16
+  assert "tensor=2" in out.stdout
