@@ -267,6 +267,7 @@ class RLTrainer:
       ecc = batch_lib.empty_policy_batch(8, R, self._num_rows(1))
       m["time/rollout_s"] = time.perf_counter() - t0
       m["tokens/generated"] = gen_tokens
+      m["rollouts/generated"] = P * n
       return epa, ecc, m
 
     # ---- round 2: feedback-guided exploration
@@ -361,6 +362,7 @@ class RLTrainer:
       ecc = batch_lib.empty_policy_batch(8, R, self._num_rows(1))
     m["time/rollout_s"] = time.perf_counter() - t0
     m["tokens/generated"] = gen_tokens
+    m["rollouts/generated"] = P * n + int(r2_prompt.size)
     return epa, ecc, m
 
   # ------------------------------------------------------------------ update
@@ -376,7 +378,6 @@ class RLTrainer:
   def update(self, state, epa, ecc, step: int):
     rl = self.config.rl
     weights = jnp.asarray(self.objective_weights(step))
-    ids = None
     mets = []
     for _ in range(max(rl.ppo_epochs, 1)):
       for mb_epa, mb_ecc in zip(batch_lib.split_rows(epa, rl.mini_batches),
@@ -389,10 +390,9 @@ class RLTrainer:
         met = jax.device_get(met)
         if not met["finite"]:
           self.nonfinite_steps += 1
-          logging.warning("Non-finite loss/grad at step %d (skipped; %d so far).", step,
-                          self.nonfinite_steps)
           if not rl.skip_nonfinite:
-            raise NonFiniteStepError(f"non-finite loss or gradient at step {step}")
+            raise NonFiniteStepError(
+                f"non-finite loss or gradient at step {step} (rl.skip_nonfinite=False)")
         mets.append(met)
     out = {k: float(np.mean([mm[k] for mm in mets])) for k in mets[0]}
     return state, out
@@ -444,7 +444,10 @@ class RLTrainer:
     m["time/step_s"] = t2 - t0
     m["tokens/per_s"] = m["tokens/generated"] / max(t1 - t0, 1e-9)
     m["nonfinite_steps"] = self.nonfinite_steps
-    m["prompt_ids"] = [str(ex.get("id", "")) for ex in examples][:8]
+    if um["finite"] < 1:
+      ids = [str(ex.get("id", "")) for ex in examples]
+      logging.warning("step %d skipped (non-finite loss/grad); batch ids: %s", step, ids)
+      m["skipped_batch_ids"] = ids
     return state, m
 
   def train(self, state=None, *, steps: Optional[int] = None, eval_examples=None,

@@ -14,7 +14,11 @@ What a run gets (``Sandbox.run(source, stdin)``), in layers:
      * a mount namespace in which every existing mount is remounted
        **read-only**, fresh size-capped ``tmpfs`` are mounted over ``/tmp``,
        ``/var/tmp`` and ``/dev/shm`` (private, gone after the run), and only
-       the working directory is writable.
+       the working directory is writable. If the interpreter lives under a
+       directory other users cannot enter (e.g. pyenv under ``/root``), that
+       directory is covered by an empty tmpfs with only the interpreter's
+       tree bound back in, so the run's uid can start Python and sees nothing
+       else there.
 3. **rlimits**: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``),
    process count (``RLIMIT_NPROC``), file size (``RLIMIT_FSIZE``, which also
    caps stdout/stderr), open files, no core dumps.
@@ -32,7 +36,9 @@ What a run gets (``Sandbox.run(source, stdin)``), in layers:
 
 ``Sandbox.capabilities()`` reports which layers are active on this host (it
 probes once, by running a tiny program through the full stack, and falls back
-to fewer layers with a logged warning when the host refuses namespaces).
+to fewer layers with a logged warning when the host refuses namespaces, as
+Docker's default seccomp profile does; ``isolation="namespaces"`` makes that
+an error instead).
 
 This file also runs as a script: ``python -I sandbox.py --boot <json>`` is the
 in-sandbox bootstrap (it imports only the standard library).
@@ -232,7 +238,7 @@ def _boot(cfg: dict) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--boot":
   _boot(json.loads(sys.argv[2]))
-  sys.exit(0)  # not reached: _boot ends the process
+  sys.exit(0)  # the program finished normally
 
 # ---------------------------------------------------------------------------
 # Host side.
