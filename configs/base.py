@@ -82,9 +82,10 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.sampling.temperature = 1.0  # log-probs are of the temperature-scaled policy
   c.sampling.top_k = 0  # 0 = off
   c.sampling.top_p = 1.0  # 1.0 = off
+  c.sampling.batch_buckets = ()  # () = the sampler's default power-of-two row buckets
   c.sampling.prompt_buckets = (256, 512, 1024, 2048)
   c.sampling.fap_prompt_buckets = (512, 1024, 2048, 4096)  # round-2 (feedback) prompts
-  c.sampling.max_prompt_tokens = 2048
+  # (the FAP/aggregated/FCP prompt budget is templates.max_prompt_tokens)
   c.sampling.eval_temperature = 0.0  # greedy held-out evaluation (pass@1)
 
   c.verifier = mlc.ConfigDict()
@@ -109,6 +110,7 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.rl.ppo_epochs = 1
   c.rl.mini_batches = 1  # optimizer steps per rollout batch per epoch
   c.rl.micro_batches = 1  # gradient accumulation inside one optimizer step (exact token-mean)
+  c.rl.fixed_row_buckets = False  # True: one update program per run (pad rows to the max)
   c.rl.skip_nonfinite = True  # skip (and log) a step whose loss/grad is not finite; False = fatal
   # --- feedback-guided exploration (round 2); off for GRPO/GFPO
   c.rl.round2 = False
@@ -167,6 +169,7 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.sft.batch_size = 64
   c.sft.learning_rate = 1e-3
   c.sft.warmup_steps = 20
+  c.sft.fap_fraction = 0.0  # share of correction demos on FAPs (teaches the FAP format)
   c.sft.conditional = False  # FCP offline stage: train on <EF>c</EF>q -> o (c = feedback)
   return c
 
@@ -175,15 +178,21 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
   """Run-size defaults per variant (tiny = this 2-core CPU, minutes)."""
   if c.variant == "tiny":
     c.data.source = "procedural"
+    c.data.task = "arithmetic"  # "12+45=" -> "57"; feedback names the wrong digits
+    c.data.difficulty = 1  # digits per operand, drawn from [1, 3]
+    c.data.max_difficulty = 3
     c.sampling.max_new_tokens = 12
     c.sampling.prompt_buckets = (16, 32)
-    c.sampling.fap_prompt_buckets = (64, 96, 128)
-    c.sampling.max_prompt_tokens = 128
+    c.sampling.fap_prompt_buckets = (64, 128)
+    c.templates.max_prompt_tokens = 128  # FAP / aggregated / FCP prompts fit the largest bucket
     c.verifier.workers = 2
     c.verifier.timeout_s = 5.0
     c.rl.prompts_per_step = 16
     c.rl.group_size = 8
     c.rl.round2_size = 8
+    c.rl.fixed_row_buckets = True  # compiles cost more than padded rows at this size
+    c.rl.epa_max_per_prompt = 8
+    c.sampling.batch_buckets = (8, 16, 64, 128)  # prompts per sampler call: few programs
     c.optim.learning_rate = 2e-4
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
@@ -195,12 +204,15 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
     c.sft.steps = 300
     c.sft.batch_size = 64
     c.sft.learning_rate = 2e-3
+    c.sft.fap_fraction = 0.25  # the same warm start serves every algorithm
   else:
     c.train.warm_start = ""
     # gradient accumulation so one micro-batch's activations fit (see --dry_run)
     c.rl.micro_batches = {"qwen3_0_6b": 4, "qwen_8b": 8, "qwen_8b_h100": 32}[c.variant]
     c.data.source = "jsonl"
     c.data.verifier = "math"
+    c.templates.style = "verbose"
+    c.templates.max_prompt_tokens = 4096
     c.optim.learning_rate = 1e-6
   return c
 

@@ -61,6 +61,9 @@ def test_bad_rl_combinations_name_the_fields():
   c = load("configs/fbos.py:tiny")
   with pytest.raises(ValueError, match="batch shards"):
     validate_rl_config(c, num_batch_shards=3)
+  c = load("configs/grpo.py:tiny")
+  c.rl.gfpo_k = 0
+  validate_rl_config(c, num_batch_shards=8)
 
 
 def test_qwen_8b_param_count_and_memory_plans():

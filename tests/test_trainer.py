@@ -43,6 +43,11 @@ def small(spec, **over):
   return c
 
 
+def one_device_mesh():
+  from fbos_jax import sharding as sh
+  return sh.make_mesh({"data": 1}, devices=jax.devices()[:1])
+
+
 SPECS = ["configs/grpo.py:tiny", "configs/grpo.py:tiny,drgrpo", "configs/gfpo.py:tiny",
          "configs/gfpo.py:tiny,adaptive", "configs/golf.py:tiny", "configs/fbos.py:tiny",
          "configs/fcp.py:tiny"]
@@ -51,7 +56,7 @@ SPECS = ["configs/grpo.py:tiny", "configs/grpo.py:tiny,drgrpo", "configs/gfpo.py
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_config_runs_two_steps(spec, tmp_path):
   c = small(spec)
-  tr = RLTrainer(c, str(tmp_path))
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
   state, hist = tr.train()
   tr.close()
   assert int(state.step) == 2
@@ -67,7 +72,7 @@ def test_every_config_runs_two_steps(spec, tmp_path):
 
 def test_decoupled_and_staleness_run(tmp_path):
   c = small("configs/grpo.py:tiny", **{"rl.decoupled": True, "rl.staleness": 1})
-  tr = RLTrainer(c, str(tmp_path))
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
   state, _ = tr.train()
   tr.close()
   assert int(state.step) == 2
@@ -80,16 +85,16 @@ def _params_np(state):
 def test_resume_is_exact(tmp_path):
   spec = "configs/fbos.py:tiny"
   a = tmp_path / "straight"
-  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(a))
+  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(a), mesh=one_device_mesh())
   s_straight, _ = tr.train()
   tr.close()
 
   b = tmp_path / "resumed"
-  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(b))
+  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(b), mesh=one_device_mesh())
   state = tr.init_state()
   state, _ = tr.train(state, steps=2)
   tr.close()
-  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(b))  # a fresh process would do this
+  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(b), mesh=one_device_mesh())  # a fresh process would do this
   s_resumed, _ = tr.train()
   tr.close()
   for x, y in zip(_params_np(s_straight), _params_np(s_resumed)):

@@ -22,11 +22,27 @@ Dh head dim, F mlp width, V vocab, L layers)::
     final_norm       [D]
     unembed          [D, V]          untied embeddings only
 
-KV cache layout (:class:`KVCache`): ``k, v: [L, B, S, K, Dh]``. Prompts are
-left-padded, so every row writes slot ``cache_index`` at the same time and a
-single scalar index serves the whole batch; ``kv_mask [B, S]`` says which
-slots hold real (non-pad) tokens. Positions come from the attention mask, not
-from slot numbers, so left padding does not shift RoPE.
+KV cache layout (:class:`KVCache`)::
+
+    k  [L, B, K, Dh, S]   keys stored transposed (head_dim before slots)
+    v  [L, B, K, S, Dh]
+
+so that both decode attention products are plain batched matmuls
+(``q [B,K,G,Dh] @ k [B,K,Dh,S]`` and ``p [B,K,G,S] @ v [B,K,S,Dh]``) with no
+per-step transpose of the cache. Logical axes: :func:`cache_logical_axes`.
+Prompts are left-padded, so every row writes slot ``cache_index`` at the same
+time and a single scalar index serves the whole batch; ``kv_mask [B, S]`` says
+which slots hold real (non-pad) tokens. Positions come from the attention mask,
+not from slot numbers, so left padding does not shift RoPE.
+
+Layer loop with a cache: ``params["layers"]`` stacked (as stored) runs a
+``lax.fori_loop`` over layers that carries the whole stacked cache and updates
+slot ``[l, ..., cache_index]`` in place (compile time independent of depth).
+``params["layers"]`` given as a list of per-layer dicts (:func:`split_layers`)
+together with a layer-split cache (``k``/``v`` tuples of ``L`` per-layer
+arrays, :func:`init_cache` with ``split=True``) runs a Python loop over layers
+instead: no per-layer dynamic slices of weights or cache, which is much faster
+for small-batch decode on CPU, at a compile time that grows with depth.
 """
 
 from __future__ import annotations
@@ -94,20 +110,57 @@ class ModelConfig:
 
 
 class KVCache(NamedTuple):
-  """Preallocated attention cache. k, v: [L, B, S, K, Dh]."""
-  k: jax.Array
-  v: jax.Array
+  """Preallocated attention cache: k [L, B, K, Dh, S] (transposed), v [L, B, K, S, Dh].
+
+  In the layer-split form (``init_cache(..., split=True)``) k and v are tuples of
+  L per-layer arrays [B, K, Dh, S] / [B, K, S, Dh].
+  """
+  k: Any
+  v: Any
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-  shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, *,
+               split: bool = False) -> KVCache:
   dtype = dtype or cfg.dtype
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  kshape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+  vshape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+  if split:
+    return KVCache(tuple(jnp.zeros(kshape, dtype) for _ in range(cfg.num_layers)),
+                   tuple(jnp.zeros(vshape, dtype) for _ in range(cfg.num_layers)))
+  L = cfg.num_layers
+  return KVCache(jnp.zeros((L,) + kshape, dtype), jnp.zeros((L,) + vshape, dtype))
 
 
-def cache_logical_axes() -> KVCache:
-  ax = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
-  return KVCache(ax, ax)
+def cache_logical_axes(split: bool = False, num_layers: Optional[int] = None) -> KVCache:
+  """Logical axis names of the cache arrays (per layer array when ``split``)."""
+  k = ("layers", "batch", "kv_heads", "head_dim", "cache_seq")
+  v = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+  if not split:
+    return KVCache(k, v)
+  if num_layers is None:
+    raise ValueError("cache_logical_axes(split=True) needs num_layers")
+  return KVCache((k[1:],) * num_layers, (v[1:],) * num_layers)
+
+
+def cache_is_split(cache: KVCache) -> bool:
+  return isinstance(cache.k, (tuple, list))
+
+
+def cache_len(cache: KVCache) -> int:
+  """Number of slots S."""
+  return (cache.k[0] if cache_is_split(cache) else cache.k).shape[-1]
+
+
+def split_layers(params: "Params") -> "Params":
+  """Same params with ``layers`` as a list of per-layer dicts (for the unrolled
+  layer loop). Slicing copies the layer weights once: do it outside any loop."""
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return params
+  n = jax.tree.leaves(layers)[0].shape[0]
+  out = dict(params)
+  out["layers"] = [jax.tree.map(lambda w, l=l: w[l], layers) for l in range(n)]
+  return out
 
 
 # ----------------------------------------------------------------------------- params
@@ -200,13 +253,18 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, HF rotate-half convention. x: [B, T, N, Dh], positions [B, T]."""
-  dh = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+  """cos, sin [B, T, 1, Dh] (float32) for :func:`rope`."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, Dh]
-  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float, tables=None) -> jax.Array:
+  """Rotary embedding, HF rotate-half convention. x: [B, T, N, Dh], positions [B, T].
+  ``tables``: precomputed :func:`rope_tables` (shared by all layers)."""
+  cos, sin = tables if tables is not None else rope_tables(positions, x.shape[-1], theta)
   xf = x.astype(jnp.float32)
   x1, x2 = jnp.split(xf, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
@@ -229,8 +287,29 @@ def _attention(q, k, v, mask, dtype):
   return out.reshape(b, t, h, dh)
 
 
-def _layer(cfg: ModelConfig, h, lp, positions, mask, cache_kv, cache_index):
-  """One decoder block. h: [B, T, D]. Returns (h, (k_cache, v_cache) or None)."""
+def _cached_attention(q, k_t, v, mask, dtype):
+  """Grouped-query attention against the cache layout.
+
+  q: [B, T, H, Dh]; k_t: [B, K, Dh, S]; v: [B, K, S, Dh]; mask: [B, T, S] bool
+  -> [B, T, H, Dh]. Same arithmetic as :func:`_attention` (float32 scores scaled
+  after the product, masked with finfo.min, float32 softmax), but the G query
+  heads of a group and the T query steps share one matmul against the cache.
+  """
+  b, t, h, dh = q.shape
+  kv, s = k_t.shape[1], k_t.shape[-1]
+  g = h // kv
+  qg = q.reshape(b, t, kv, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, dh)
+  scores = jnp.einsum("bkqd,bkds->bkqs", qg, k_t,
+                      preferred_element_type=jnp.float32) / math.sqrt(dh)
+  scores = scores.reshape(b, kv, g, t, s)
+  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b, kv, g * t, s)
+  out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
+  return out.reshape(b, kv, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
+def _project_qkv(cfg: ModelConfig, h, lp, positions, rope_cs=None):
+  """attn_norm, q/k/v projections (+bias), q/k norms, RoPE. h: [B, T, D]."""
   dt = cfg.dtype
   x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
   q = jnp.einsum("btd,dhk->bthk", x, lp["q"].astype(dt))
@@ -243,23 +322,84 @@ def _layer(cfg: ModelConfig, h, lp, positions, mask, cache_kv, cache_index):
   if cfg.qk_norm:
     q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-  q = rope(q, positions, cfg.rope_theta)
-  k = rope(k, positions, cfg.rope_theta)
-  if cache_kv is not None:
-    ck, cv = cache_kv
-    ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
-    cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
-    attn = _attention(q, ck.astype(dt), cv.astype(dt), mask, dt)
-    new_cache = (ck, cv)
-  else:
-    attn = _attention(q, k, v, mask, dt)
-    new_cache = None
+  q = rope(q, positions, cfg.rope_theta, rope_cs)
+  k = rope(k, positions, cfg.rope_theta, rope_cs)
+  return q, k, v
+
+
+def _finish_layer(cfg: ModelConfig, h, attn, lp):
+  """Output projection + residual, then the MLP block."""
+  dt = cfg.dtype
   h = h + jnp.einsum("bthk,hkd->btd", attn, lp["o"].astype(dt))
   x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
   gate = jnp.einsum("btd,df->btf", x, lp["gate"].astype(dt))
   up = jnp.einsum("btd,df->btf", x, lp["up"].astype(dt))
-  h = h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"].astype(dt))
-  return h, new_cache
+  return h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"].astype(dt))
+
+
+def _layer(cfg: ModelConfig, h, lp, positions, mask):
+  """One decoder block without a cache. h: [B, T, D] -> [B, T, D]."""
+  q, k, v = _project_qkv(cfg, h, lp, positions)
+  return _finish_layer(cfg, h, _attention(q, k, v, mask, cfg.dtype), lp)
+
+
+def _new_kv(k, v, dtype):
+  """[B, T, K, Dh] new keys/values -> cache layout [B, K, Dh, T] / [B, K, T, Dh]."""
+  return k.astype(dtype).transpose(0, 2, 3, 1), v.astype(dtype).transpose(0, 2, 1, 3)
+
+
+def _cached_layers(cfg: ModelConfig, h, layers, positions, mask, cache: KVCache, cache_index):
+  """The layer stack with a KV cache (see the module docstring for the two loops)."""
+  dt = cfg.dtype
+  idx = jnp.asarray(cache_index, jnp.int32)
+  zero = jnp.zeros((), jnp.int32)
+  # RoPE tables for every cache slot (positions < S): a function of static shapes
+  # only, so XLA builds it once, not per decode step and per layer; the rows are
+  # gathered (cheap) where sin/cos would otherwise be recomputed in 2 * L fusions.
+  s = cache_len(cache)
+  cos_t, sin_t = rope_tables(jnp.arange(s, dtype=jnp.int32)[None, :], cfg.head_dim, cfg.rope_theta)
+  pos = jnp.clip(positions, 0, s - 1)
+  rope_cs = (cos_t[0, :, 0][pos][:, :, None, :], sin_t[0, :, 0][pos][:, :, None, :])
+  if isinstance(layers, (list, tuple)):  # unrolled: one Python iteration per layer
+    split = cache_is_split(cache)
+    ks, vs = (list(cache.k), list(cache.v)) if split else (cache.k, cache.v)
+    for l, lp in enumerate(layers):
+      q, k, v = _project_qkv(cfg, h, lp, positions, rope_cs)
+      if split:
+        nk, nv = _new_kv(k, v, ks[l].dtype)
+        ks[l] = jax.lax.dynamic_update_slice(ks[l], nk, (zero, zero, zero, idx))
+        vs[l] = jax.lax.dynamic_update_slice(vs[l], nv, (zero, zero, idx, zero))
+        kl, vl = ks[l], vs[l]
+      else:
+        nk, nv = _new_kv(k, v, ks.dtype)
+        ks = jax.lax.dynamic_update_slice(ks, nk[None], (l, zero, zero, zero, idx))
+        vs = jax.lax.dynamic_update_slice(vs, nv[None], (l, zero, zero, idx, zero))
+        kl, vl = ks[l], vs[l]
+      attn = _cached_attention(q, kl.astype(dt), vl.astype(dt), mask, dt)
+      h = _finish_layer(cfg, h, attn, lp)
+    if split:
+      return h, KVCache(tuple(ks), tuple(vs))
+    return h, KVCache(ks, vs)
+
+  if cache_is_split(cache):
+    raise ValueError("A layer-split cache needs params['layers'] as a per-layer list "
+                     "(qwen.split_layers(params)).")
+  num_layers = cache.k.shape[0]
+
+  def body(l, carry):  # the full stacked cache is carried and updated in place
+    h, ck, cv = carry
+    lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, l, keepdims=False), layers)
+    q, k, v = _project_qkv(cfg, h, lp, positions, rope_cs)
+    nk, nv = _new_kv(k, v, ck.dtype)
+    ck = jax.lax.dynamic_update_slice(ck, nk[None], (l, zero, zero, zero, idx))
+    cv = jax.lax.dynamic_update_slice(cv, nv[None], (l, zero, zero, idx, zero))
+    kl = jax.lax.dynamic_index_in_dim(ck, l, keepdims=False)
+    vl = jax.lax.dynamic_index_in_dim(cv, l, keepdims=False)
+    attn = _cached_attention(q, kl.astype(dt), vl.astype(dt), mask, dt)
+    return _finish_layer(cfg, h, attn, lp), ck, cv
+
+  h, ck, cv = jax.lax.fori_loop(0, num_layers, body, (h, cache.k, cache.v))
+  return h, KVCache(ck, cv)
 
 
 def _remat(fn, policy: str):
@@ -287,38 +427,38 @@ def forward(params: Params, tokens: jax.Array, attention_mask: jax.Array,
   marks the slots that hold real tokens (including the new ones); a query in
   slot i attends to slots j <= i with kv_mask. Returns (hidden, new KVCache).
   Prefill is the call with cache_index=0 and T=prompt length; decode is T=1.
+  ``attention_mask`` is only used to derive positions when ``positions`` is None.
+
+  ``params["layers"]`` may also be a list of per-layer dicts
+  (:func:`split_layers`): the layers then run in a Python loop (see the module
+  docstring); results are the same.
   """
   b, t = tokens.shape
   if positions is None:
     positions = positions_from_mask(attention_mask)
   h = jnp.take(params["embed"], tokens, axis=0).astype(cfg.dtype)
   qpos = jnp.arange(t)[:, None]
-  if cache is None:
-    kpos = jnp.arange(t)[None, :]
-    mask = (kpos <= qpos)[None] & attention_mask.astype(bool)[:, None, :]
-  else:
-    s = cache.k.shape[2]
+  if cache is not None:
+    s = cache_len(cache)
     kpos = jnp.arange(s)[None, :]
     mask = (kpos <= qpos + cache_index)[None] & kv_mask.astype(bool)[:, None, :]
+    h, new_cache = _cached_layers(cfg, h, params["layers"], positions, mask, cache, cache_index)
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), new_cache
 
-  def body(h, xs):
-    if cache is None:
-      lp = xs
-      h, _ = _layer(cfg, h, lp, positions, mask, None, 0)
-      return h, None
-    lp, ck, cv = xs
-    h, (ck, cv) = _layer(cfg, h, lp, positions, mask, (ck, cv), cache_index)
-    return h, (ck, cv)
+  kpos = jnp.arange(t)[None, :]
+  mask = (kpos <= qpos)[None] & attention_mask.astype(bool)[:, None, :]
+
+  def body(h, lp):
+    return _layer(cfg, h, lp, positions, mask), None
 
   body = _remat(body, cfg.remat)
-  if cache is None:
-    h, _ = jax.lax.scan(body, h, params["layers"])
-    new_cache = None
+  if isinstance(params["layers"], (list, tuple)):
+    for lp in params["layers"]:
+      h, _ = body(h, lp)
   else:
-    h, (ks, vs) = jax.lax.scan(body, h, (params["layers"], cache.k, cache.v))
-    new_cache = KVCache(ks, vs)
+    h, _ = jax.lax.scan(body, h, params["layers"])
   h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-  return h, new_cache
+  return h, None
 
 
 def unembed_matrix(params: Params, cfg: ModelConfig) -> jax.Array:

@@ -12,7 +12,8 @@ import numpy as np
 from fbos_jax import data as data_lib
 from fbos_jax import templates
 from fbos_jax import tokenizer as tok_lib
-from fbos_jax.verifiers import VerifierPool, get_verifier
+from fbos_jax.verifiers import VerifierPool
+from fbos_jax.verifiers.base import make_verifier
 
 
 class Environment:
@@ -43,7 +44,7 @@ class Environment:
       if not os.path.exists(os.path.join(tok_path, "tokenizer.json")):
         tok_lib.build_char_tokenizer(tok_path)
     tokenizer = tok_lib.load_tokenizer(tok_path)
-    verifier = get_verifier(config.data.verifier, **_verifier_kwargs(config))
+    verifier = make_verifier(config.data)
     pi = jax.process_index() if process_index is None else process_index
     pc = jax.process_count() if process_count is None else process_count
     local_batch = config.rl.prompts_per_step // pc
@@ -136,10 +137,3 @@ def held_out_examples(config, *, process_index: int = 0, process_count: int = 1)
     return list(next(it))
   except StopIteration:
     return []
-
-
-def _verifier_kwargs(config) -> dict:
-  kw = dict(config.verifier.get("kwargs", {}) or {})
-  if config.data.verifier in ("procedural", "math", "ifeval", "code"):
-    kw.setdefault("feedback_reveals_answer", config.data.feedback_reveals_answer)
-  return kw

@@ -41,11 +41,25 @@ def _corrupt(text: str, rng: random.Random) -> str:
 
 
 def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
-                       positive_feedback: str = "correct"):
-  """Verifier-checked (context ids, response ids) pairs. Response ends with EOS."""
+                       positive_feedback: str = "correct", fap_fraction: float = 0.0):
+  """Verifier-checked (context ids, response ids) pairs. Response ends with EOS.
+
+  With ``fap_fraction`` > 0, that share of the demonstrations are corrections:
+  the context is FAP(q, o_wrong, F) for a corrupted attempt o_wrong and its real
+  verifier feedback F, and the target is the verified solution (the warm start
+  then knows the FAP format, as an instruction-tuned base model would).
+  """
   prompts, responses = [], []
   for ex in examples:
     text = tasks_lib.solve(ex)
+    if not conditional and fap_fraction > 0 and rng.random() < fap_fraction:
+      wrong = _corrupt(text, rng)
+      v_wrong = env.verifier(ex, wrong)
+      if v_wrong.reward < env.config.verifier.success_threshold and env.verifier(ex, text).reward \
+          >= env.config.verifier.success_threshold:
+        prompts.append(env.fap_ids(ex, wrong, v_wrong.feedback))
+        responses.append(env.tokenizer.encode(text, add_special_tokens=False) + [env.eos_id])
+        continue
     if conditional and rng.random() < 0.5:
       text = _corrupt(text, rng)
     v = env.verifier(ex, text)
@@ -94,11 +108,10 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   it = data_lib.make_prompt_iterator(config.data, batch_size=config.sft.batch_size,
                                      process_index=jax.process_index(),
                                      process_count=jax.process_count(),
-                                     seed=config.seed + 7919, split="train")
+                                     seed=config.seed + 7919)
   rng = random.Random(config.seed)
   r_len = config.sampling.max_new_tokens
-  p_len = max(config.sampling.fap_prompt_buckets if config.sft.conditional
-              else config.sampling.prompt_buckets)
+  buckets = sorted(set(config.sampling.prompt_buckets) | set(config.sampling.fap_prompt_buckets))
   rows = batch_lib.bucket_rows(config.sft.batch_size, sh.batch_shard_count(mesh))
   ecc = batch_lib.empty_policy_batch(8, r_len, batch_lib.bucket_rows(1, sh.batch_shard_count(mesh)))
   put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh), b)
@@ -112,7 +125,9 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   for s in rng_iter:
     prompts, responses = demonstration_rows(env, next(it), conditional=config.sft.conditional,
                                             rng=rng,
-                                            positive_feedback=config.rl.fcp_positive_feedback)
+                                            positive_feedback=config.rl.fcp_positive_feedback,
+                                            fap_fraction=config.sft.fap_fraction)
+    p_len = next((b for b in buckets if b >= max(len(p) for p in prompts)), buckets[-1])
     b = put(sft_batch(env, prompts, responses, p_len, r_len, rows))
     state, m = step_fn(state, b, ecc, weights)
     if s % 20 == 0 or s == steps - 1:

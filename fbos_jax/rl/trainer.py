@@ -20,6 +20,7 @@ import numpy as np
 from absl import logging
 
 from fbos_jax import checkpoint as ckpt_lib
+from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
 from fbos_jax import sharding as sh
 from fbos_jax.model import qwen
@@ -83,9 +84,16 @@ def validate_rl_config(config, num_batch_shards: int = 1):
   if rl.prompts_per_step % max(rl.mini_batches, 1):
     errs.append(f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by "
                 f"rl.mini_batches={rl.mini_batches}")
-  if rl.prompts_per_step % num_batch_shards:
-    errs.append(f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by the mesh's "
-                f"{num_batch_shards} batch shards (mesh.dcn*data*fsdp); change one of them")
+  if (rl.prompts_per_step * rl.group_size) % num_batch_shards:
+    errs.append(f"rl.prompts_per_step*rl.group_size={rl.prompts_per_step * rl.group_size} "
+                f"rollouts do not divide over the mesh's {num_batch_shards} batch shards "
+                "(mesh.dcn*data*fsdp); change one of them")
+  if rl.prompts_per_step % jax.process_count():
+    errs.append(f"rl.prompts_per_step={rl.prompts_per_step} does not divide over "
+                f"{jax.process_count()} processes (each host samples its own prompts)")
+  if rl.round2 and config.templates.max_prompt_tokens > max(config.sampling.fap_prompt_buckets):
+    errs.append(f"templates.max_prompt_tokens={config.templates.max_prompt_tokens} exceeds the "
+                f"largest sampling.fap_prompt_buckets={max(config.sampling.fap_prompt_buckets)}")
   if rl.staleness < 0:
     errs.append(f"rl.staleness={rl.staleness} must be >= 0")
   if errs:
@@ -102,6 +110,7 @@ class RLTrainer:
     self.workdir = workdir
     os.makedirs(workdir, exist_ok=True)
     self.mesh = mesh if mesh is not None else sh.make_mesh(config.mesh)
+    distributed.check_mesh(self.mesh)  # multi-process: batch axes must split over hosts
     validate_rl_config(config, sh.batch_shard_count(self.mesh))
     self.env = env if env is not None else Environment.from_config(config, workdir)
     self.model_cfg = qwen.ModelConfig.from_dict(config.model)
@@ -135,8 +144,8 @@ class RLTrainer:
     if params is None:
       params = jax.jit(lambda k: qwen.init_params(self.model_cfg, k),
                        out_shardings=self.param_shardings)(jax.random.key(cfg.seed))
-    else:
-      params = jax.device_put(params, self.param_shardings)
+    else:  # a copy: the update step donates the state, the caller keeps its params
+      params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(params)
     opt_state = jax.jit(lambda p: update_lib.init_opt_state(self.optimizer, p, cfg.optim))(params)
     rng = jax.random.key_data(jax.random.key(cfg.seed + 1))
     state = update_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -154,7 +163,8 @@ class RLTrainer:
   def save(self, state, force=False):
     meta = {"model": {k: v for k, v in self.config.model.to_dict().items()},
             "algo": self.config.algo, "nonfinite_steps": self.nonfinite_steps}
-    self.ckpt.save(int(state.step), self._full_state(state), self.env.data_state(), meta,
+    self.ckpt.save(int(state.step), self._full_state(state),
+                   distributed.per_process_state(self.env.data_state()), meta,
                    force=force)
 
   def maybe_restore(self, state):
@@ -165,7 +175,7 @@ class RLTrainer:
     expected = {"model": self.config.model.to_dict()}
     full, data_state, meta = self.ckpt.restore(step, abstract, expected)
     self.gfpo_state = full["gfpo"]
-    self.env.set_data_state(data_state)
+    self.env.set_data_state(distributed.select_process_state(data_state))
     self.nonfinite_steps = int(meta.get("nonfinite_steps", 0))
     logging.info("Resumed from %s at step %d", self.ckpt.directory, step)
     return full["train"], True
@@ -219,9 +229,25 @@ class RLTrainer:
     pt, pm = batch_lib.left_pad(plist, prompt_len, self.env.pad_id)
     return pt, pm, ro.tokens[idx], ro.mask[idx], ro.logp[idx]
 
-  def _num_rows(self, n: int) -> int:
-    mult = sh.batch_shard_count(self.mesh) * self.config.rl.micro_batches * self.config.rl.mini_batches
+  def _num_rows(self, n: int, max_rows: int = 0) -> int:
+    """Process-local row bucket, agreed over hosts (their shapes must match).
+
+    Power-of-two buckets by default; with ``rl.fixed_row_buckets`` every batch
+    of a kind uses its largest possible size (``max_rows``): one update program
+    for the whole run, at the cost of computing padded rows (right for tiny
+    models, where a compile costs more than the padding)."""
+    local_shards = max(sh.batch_shard_count(self.mesh) // jax.process_count(), 1)
+    mult = local_shards * self.config.rl.micro_batches * self.config.rl.mini_batches
+    n, = distributed.agree_max(n)
+    if self.config.rl.fixed_row_buckets and max_rows:
+      n = max(n, max_rows)
     return batch_lib.bucket_rows(n, mult)
+
+  def _max_rows(self, P: int):
+    """Largest (EPA, ECC) row counts a step can produce for P local prompts."""
+    rl = self.config.rl
+    extra = rl.epa_max_per_prompt if (rl.round2 and rl.epa_mode == "append") else 0
+    return P * (rl.group_size + extra), P * rl.round2_size
 
   def rollout_step(self, params, examples: list, step: int, key):
     """Phases 1-2 and batch assembly. Returns (epa, ecc, metrics) with host batches."""
@@ -252,13 +278,14 @@ class RLTrainer:
     gen_tokens = int(ro1.mask.sum())
 
     R = ro1.tokens.shape[1]
-    qlen = max(len(q) for q in q_ids)
+    qlen, = distributed.agree_max(max(len(q) for q in q_ids))
     qbucket = _bucket(qlen, tuple(cfg.sampling.prompt_buckets))
 
     if rl.objective == "fcp":
       ctx = [self.env.fcp_prompt(ex, rl.fcp_positive_feedback if r >= thr else fb)
              for ex, r, fb in zip(ex_rows, ro1.rewards, ro1.feedback)]
-      plen = _bucket(max(len(c) for c in ctx), tuple(cfg.sampling.fap_prompt_buckets))
+      plen = _bucket(distributed.agree_max(max(len(c) for c in ctx))[0],
+                     tuple(cfg.sampling.fap_prompt_buckets))
       pt, pm, rt, rm, rl_ = self._rows(ro1, np.arange(P * n), plen, prompts=ctx)
       rows = self._num_rows(P * n)
       epa = batch_lib.make_policy_batch(pt, pm, rt, rm, np.ones(P * n, np.float32), rl_,
@@ -278,6 +305,11 @@ class RLTrainer:
       t2 = time.perf_counter()
       selected = assemble.select_fap_sources(r1, rl.fap_from, thr)
       r2_prompt, r2_source = assemble.round2_plan(selected, rl.round2_size, rl.fap_mode)
+      any_r2 = bool(distributed.agree_max(int(r2_prompt.size > 0))[0])
+      if any_r2 and not r2_prompt.size:
+        # another host samples round 2: join the collective program with no prompts
+        self.sample(params, [], 1 if rl.fap_mode == "single" else rl.round2_size, k2,
+                    buckets=tuple(cfg.sampling.fap_prompt_buckets))
       if r2_prompt.size:
         if rl.fap_mode == "single":
           fap_ids = [self.env.fap_ids(examples[p], ro1.texts[p * n + s], ro1.feedback[p * n + s])
@@ -347,17 +379,27 @@ class RLTrainer:
     if keep is not None:
       loss_mask = loss_mask * keep[vp, vg][order][:, None]
     epa = batch_lib.make_policy_batch(pt, pm, rt, rm, adv_rows, rlp, offp[order],
-                                      num_rows=self._num_rows(len(mem)), loss_mask=loss_mask,
+                                      num_rows=self._num_rows(len(mem), self._max_rows(P)[0]),
+                                      loss_mask=loss_mask,
                                       pad_id=self.env.pad_id)
 
     # ---- ECC: round-2 rollouts on their FAPs (on-policy)
-    if rl.round2 and rl.w_ecc > 0 and ro2 is not None and len(r2):
+    has_ecc = rl.round2 and rl.w_ecc > 0 and ro2 is not None and len(r2) > 0
+    if rl.round2 and rl.w_ecc > 0:
+      has_ecc = bool(distributed.agree_max(int(has_ecc))[0])
+    if has_ecc and (ro2 is None or not len(r2)):  # another host has ECC rows; this one none
+      ecc = batch_lib.empty_policy_batch(_bucket(distributed.agree_max(0)[0] or 1,
+                                                 tuple(cfg.sampling.fap_prompt_buckets)), R,
+                                         self._num_rows(0, self._max_rows(P)[1]))
+    elif has_ecc:
       a2 = assemble.ecc_advantages(r1, r2, r2_prompt, r2_source, mode=rl.ecc_advantage,
                                    estimator=rl.advantage, eps=rl.adv_eps)
-      fb = _bucket(max(len(x) for x in ro2.prompts), tuple(cfg.sampling.fap_prompt_buckets))
+      fb = _bucket(distributed.agree_max(max(len(x) for x in ro2.prompts))[0],
+                   tuple(cfg.sampling.fap_prompt_buckets))
       pt2, pm2, rt2, rm2, rlp2 = self._rows(ro2, np.arange(len(r2)), fb)
       ecc = batch_lib.make_policy_batch(pt2, pm2, rt2, rm2, a2, rlp2, np.zeros(len(r2), bool),
-                                        num_rows=self._num_rows(len(r2)), pad_id=self.env.pad_id)
+                                        num_rows=self._num_rows(len(r2), self._max_rows(P)[1]),
+                                        pad_id=self.env.pad_id)
     else:
       ecc = batch_lib.empty_policy_batch(8, R, self._num_rows(1))
     m["time/rollout_s"] = time.perf_counter() - t0
@@ -408,6 +450,7 @@ class RLTrainer:
     self.score(ro, examples)
     out = {"eval/accuracy": float((ro.rewards >= thr).mean()),
            "eval/length": float(ro.lengths.mean())}
+    out = distributed.mean_over_processes(out)
     if k > 1:
       rok = self.sample(params, ids, k, key, temperature=1.0)
       self.score(rok, [ex for ex in examples for _ in range(k)])
@@ -444,6 +487,7 @@ class RLTrainer:
     m["time/step_s"] = t2 - t0
     m["tokens/per_s"] = m["tokens/generated"] / max(t1 - t0, 1e-9)
     m["nonfinite_steps"] = self.nonfinite_steps
+    m = distributed.mean_over_processes(m, sum_keys=_SUM_METRICS)
     if um["finite"] < 1:
       ids = [str(ex.get("id", "")) for ex in examples]
       logging.warning("step %d skipped (non-finite loss/grad); batch ids: %s", step, ids)
@@ -494,6 +538,11 @@ class RLTrainer:
     self.ckpt.close()
     self.metrics.close()
     self.env.close()
+
+
+# metrics summed (not averaged) over hosts: counts and throughput
+_SUM_METRICS = ("tokens/generated", "rollouts/generated", "round2/rollouts", "epa/injected",
+                "tokens/per_s")
 
 
 def _bucket(n: int, buckets: tuple) -> int:

@@ -1,0 +1,277 @@
+"""One process of a multi-process (or single-process reference) run, launched by
+tests/test_multiprocess.py as a plain script:
+
+  python tests/mp_worker.py --mode=train --process_id=0 --num_processes=2 \
+      --coordinator=127.0.0.1:PORT --workdir=DIR --out=OUT.json
+
+Modes:
+  train      2 steps of the shrunk FBOS tiny config on a data=8 mesh, over
+             jax.distributed (CPU collectives, --local_devices fake devices each);
+             a checkpoint at the last step. Writes metrics, the final params
+             (process 0), and every verifier call this process made.
+  reference  the same run in ONE process over 8 devices, fed the global batch
+             (the per-host iterators concatenated in host order).
+  restore    ONE process, another mesh (data=2, fsdp=2, tensor=2): restore the
+             2-process checkpoint, continue one step.
+  bad_mesh   after jax.distributed start-up: meshes that do not fit the processes.
+  init_only  only jax.distributed start-up (unreachable coordinator, missing peers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+
+
+def _parse():
+  p = argparse.ArgumentParser()
+  p.add_argument("--mode", required=True,
+                 choices=("train", "reference", "restore", "bad_mesh", "init_only"))
+  p.add_argument("--process_id", type=int, default=0)
+  p.add_argument("--num_processes", type=int, default=1)
+  p.add_argument("--coordinator", default="")
+  p.add_argument("--timeout_s", type=int, default=60)
+  p.add_argument("--local_devices", type=int, default=4)
+  p.add_argument("--workdir", default="")
+  p.add_argument("--out", default="")
+  p.add_argument("--steps", type=int, default=2)
+  return p.parse_args()
+
+
+ARGS = _parse()
+# Must happen before jax is imported.
+os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={ARGS.local_devices} "
+                           + os.environ.get("MP_WORKER_XLA_FLAGS", ""))
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"  # cross-process CPU collectives
+for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+             ("TOKENIZERS_PARALLELISM", "false")):
+  os.environ.setdefault(k, v)
+for p in (_HERE, _ROOT, os.path.join(_ROOT, "kernels")):
+  if p not in sys.path:
+    sys.path.insert(0, p)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+from fbos_jax import distributed  # noqa: E402
+
+EQUIV_MESH = {"dcn": 1, "data": 8, "fsdp": 1, "tensor": 1}
+RESTORE_MESH = {"dcn": 1, "data": 2, "fsdp": 2, "tensor": 2}
+SPEC = "configs/fbos.py:tiny"
+
+
+def config(steps: int, mesh: dict):
+  from test_trainer import small  # the shrinking every trainer test uses
+  c = small(SPEC, **{"train.steps": steps, "train.checkpoint_every": 2, "train.eval_every": 0,
+                     "train.progress": False})
+  for k, v in mesh.items():
+    c.mesh[k] = v
+  return c
+
+
+def text_hash_verifier(example, response):
+  """Deterministic rewards that vary within a group (a random tiny model never
+  solves the arithmetic, and all-zero rewards would make every loss 0). Host
+  0's first prompt of a step is always solved: host 0 then samples fewer
+  round-2 rows than host 1 (padding in the middle of the global batch)."""
+  if example.get("_slot") == [0, 0]:
+    return 1.0, "correct"
+  ok = sum(map(ord, response)) % 3 == 0
+  return (1.0, "correct") if ok else (0.0, f"wrong: checksum {sum(map(ord, response)) % 3}")
+
+
+class CountingVerifier:
+  """Wraps a verifier; records the example id of every call it gets."""
+
+  def __init__(self, inner):
+    self.inner = inner
+    self.calls = []
+    self._lock = threading.Lock()
+
+  def __call__(self, example, response):
+    with self._lock:
+      self.calls.append(str(example.get("id", "")))
+    return self.inner(example, response)
+
+
+def counting_env(env):
+  """Score ``env``'s rollouts with the counting text-hash verifier; also record
+  each verify batch (one per sampling round and host)."""
+  counter = CountingVerifier(text_hash_verifier)
+  env.pool.verifier = counter
+  batches = []
+  inner_verify = env.verify
+
+  def verify(examples, texts):
+    batches.append([str(ex.get("id", "")) for ex in examples])
+    return inner_verify(examples, texts)
+
+  env.verify = verify
+  return counter, batches
+
+
+class Tagged:
+  """Tags each example of ``it``'s batches with ``_slot = [host, index in batch]``."""
+
+  def __init__(self, its):
+    self.its = its
+
+  def __next__(self):
+    return [dict(ex, _slot=[host, j]) for host, it in self.its
+            for j, ex in enumerate(next(it))]
+
+  def get_state(self):
+    return self.its[0][1].get_state() if len(self.its) == 1 else {}
+
+  def set_state(self, state):
+    if len(self.its) == 1:
+      self.its[0][1].set_state(state)
+
+
+def canonical_state(tr):
+  """``tr.init_state()`` with the shardings the update step's outputs have.
+
+  (RLTrainer.init_state places params with specs like P(None, None) and leaves
+  step/rng uncommitted; the update returns P() / mesh-replicated arrays, so the
+  second step recompiles the update and sampling programs. A pass through jit
+  gives the first step the same shardings: same values, half the compiles.)"""
+  state = tr.init_state()
+  return jax.jit(lambda s: jax.tree.map(lambda x: x * jnp.ones((), x.dtype), s))(state)
+
+
+def params_to_host(state) -> dict:
+  """Every param leaf as numpy, gathered over processes when needed (all processes call)."""
+  from jax.experimental import multihost_utils
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+    if not x.is_fully_addressable:
+      x = multihost_utils.process_allgather(x, tiled=True)
+    out[jax.tree_util.keystr(path)] = np.asarray(x)
+  return out
+
+
+def shardings_of(state) -> dict:
+  return {jax.tree_util.keystr(p): str(x.sharding.spec)
+          for p, x in jax.tree_util.tree_flatten_with_path(state.params)[0]}
+
+
+def write(result: dict, params: dict | None = None):
+  with open(ARGS.out, "w") as f:
+    json.dump(result, f, default=float)
+  if params is not None:
+    np.savez(ARGS.out.replace(".json", ".npz"), **params)
+
+
+def clean(history):
+  return [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in history]
+
+
+def run_train():
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl.trainer import RLTrainer
+  c = config(ARGS.steps, EQUIV_MESH)
+  mesh = sh.make_mesh(c.mesh)
+  tr = RLTrainer(c, ARGS.workdir, mesh=mesh)
+  tr.env.train_iter = Tagged([(jax.process_index(), tr.env.train_iter)])
+  counter, batches = counting_env(tr.env)
+  state, hist = tr.train(canonical_state(tr))
+  tr.close()
+  params = params_to_host(state)
+  write({"process_index": jax.process_index(), "process_count": jax.process_count(),
+         "devices": jax.device_count(), "local_devices": jax.local_device_count(),
+         "history": clean(hist), "step": int(state.step),
+         "verifier_calls": counter.calls, "verify_batches": batches,
+         "pool_calls": int(tr.env.pool.totals["calls"]),
+         "latest_checkpoint": tr.ckpt.latest_step()},
+        params if jax.process_index() == 0 else None)
+
+
+def run_reference():
+  from fbos_jax import data as data_lib
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl.env import Environment
+  from fbos_jax.rl.trainer import RLTrainer
+  c = config(ARGS.steps, EQUIV_MESH)
+  c.train.checkpoint_every = 0
+  env = Environment.from_config(c, ARGS.workdir)
+  its = [data_lib.make_prompt_iterator(c.data, batch_size=c.rl.prompts_per_step // 2,
+                                       process_index=i, process_count=2,
+                                       seed=c.data.shuffle_seed + c.seed, tokenizer=env.tokenizer)
+         for i in range(2)]
+
+  env.train_iter = Tagged(list(enumerate(its)))  # host 0's rows, then host 1's
+  tr = RLTrainer(c, ARGS.workdir, env=env, mesh=sh.make_mesh(c.mesh))
+  counter, batches = counting_env(env)
+  state, hist = tr.train(canonical_state(tr))
+  tr.close()
+  write({"history": clean(hist), "step": int(state.step), "verifier_calls": counter.calls,
+         "verify_batches": batches, "devices": jax.device_count()}, params_to_host(state))
+
+
+def run_restore():
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl.trainer import RLTrainer
+  c = config(ARGS.steps, RESTORE_MESH)
+  tr = RLTrainer(c, ARGS.workdir, mesh=sh.make_mesh(c.mesh))
+  state = tr.init_state()
+  state, resumed = tr.maybe_restore(state)
+  restored_step = int(state.step)
+  restored = params_to_host(state)
+  np.savez(ARGS.out.replace(".json", "_restored.npz"), **restored)
+  specs = shardings_of(state)
+  mesh_shape = dict(next(iter(jax.tree.leaves(state.params))).sharding.mesh.shape)
+  state, hist = tr.train(state)
+  tr.close()
+  write({"resumed": resumed, "restored_step": restored_step, "step": int(state.step),
+         "history": clean(hist), "param_specs": specs, "mesh_shape": mesh_shape})
+
+
+def run_bad_mesh():
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl.trainer import RLTrainer
+  errors = {}
+  try:  # sized for one host (4 devices) but launched on 2 processes x 4 devices
+    sh.make_mesh({"dcn": 1, "data": 4, "fsdp": 1, "tensor": 1})
+    errors["fixed_size"] = None
+  except Exception as e:  # noqa: BLE001
+    errors["fixed_size"] = f"{type(e).__name__}: {e}"
+  try:  # all 8 devices on the tensor axis: the batch cannot split over the 2 hosts
+    c = config(2, {"dcn": 1, "data": 1, "fsdp": 1, "tensor": 8})
+    RLTrainer(c, ARGS.workdir, mesh=sh.make_mesh(c.mesh))
+    errors["batch_axes"] = None
+  except Exception as e:  # noqa: BLE001
+    errors["batch_axes"] = f"{type(e).__name__}: {e}"
+  write({"errors": errors, "process_count": jax.process_count()})
+
+
+def main():
+  t0 = time.time()
+  if ARGS.mode in ("train", "bad_mesh", "init_only"):
+    try:
+      ok = distributed.initialize(ARGS.coordinator, ARGS.num_processes, ARGS.process_id,
+                                  timeout_s=ARGS.timeout_s)
+    except distributed.DistributedInitError as e:
+      print(f"DistributedInitError after {time.time() - t0:.1f}s: {e}", flush=True)
+      sys.exit(3)
+    print(f"process {jax.process_index()}/{jax.process_count()} up ({ok}), "
+          f"{jax.device_count()} devices", flush=True)
+    if ARGS.mode == "init_only":
+      return
+  {"train": run_train, "reference": run_reference, "restore": run_restore,
+   "bad_mesh": run_bad_mesh}[ARGS.mode]()
+  print(f"{ARGS.mode} done in {time.time() - t0:.1f}s", flush=True)
+
+
+if __name__ == "__main__":
+  main()
