@@ -193,10 +193,10 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
     c.rl.fixed_row_buckets = True  # compiles cost more than padded rows at this size
     c.rl.epa_max_per_prompt = 8
     c.sampling.batch_buckets = (8, 16, 64, 128)  # prompts per sampler call: few programs
-    c.optim.learning_rate = 2e-4
+    c.optim.learning_rate = 3e-5  # RL; higher rates (2e-4) destabilised the tiny policy
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
-    c.train.steps = 40
+    c.train.steps = 60
     c.train.eval_every = 10
     c.train.eval_prompts = 128
     c.train.checkpoint_every = 10

@@ -97,9 +97,19 @@ class Checkpointer:
     self.manager.close()
 
 
-def abstract_with_shardings(tree: Any) -> Any:
-  """ShapeDtypeStructs (with shardings) of a live pytree, for restore targets."""
-  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+def abstract_with_shardings(tree: Any, mesh=None) -> Any:
+  """ShapeDtypeStructs (with shardings) of a live pytree, for restore targets.
+
+  With ``mesh``, a leaf that is not on the mesh's devices (e.g. an uncommitted
+  step counter or PRNG key on the default device) is restored replicated over
+  the mesh, so that it can enter the mesh's programs (and, with several
+  processes, is a global array)."""
+  def target(a):
+    sharding = a.sharding
+    if mesh is not None and set(sharding.device_set) != set(mesh.devices.flat):
+      sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+  return jax.tree.map(target, tree)
 
 
 def write_json(path: str, obj: Any):

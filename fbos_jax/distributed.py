@@ -42,7 +42,20 @@ class ProcessMeshError(ValueError):
 
 
 def _on_tpu_pod() -> bool:
-  return bool(os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("MEGASCALE_COORDINATOR_ADDRESS"))
+  """On a Cloud TPU VM (GCE or GKE), where ``jax.distributed.initialize()`` finds
+  the workers itself (a single-host slice is a 1-process "pod")."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms and "tpu" not in platforms:
+    return False
+  if any(os.environ.get(v) for v in ("TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES",
+                                     "MEGASCALE_COORDINATOR_ADDRESS")):
+    return True
+  try:  # TPU chips on the PCI bus (what JAX's own Cloud TPU detection looks at)
+    from jax._src import hardware_utils
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+  except Exception:  # noqa: BLE001 - private API; fall back to the device files
+    import glob
+    return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def _on_slurm() -> bool:
@@ -200,10 +213,10 @@ def allgather_json(obj: Any) -> list:
     return [obj]
   from jax.experimental import multihost_utils
   blob = np.frombuffer(json.dumps(obj, sort_keys=True).encode("utf-8"), np.uint8)
-  n, = agree_max(blob.size)
+  sizes = allgather_ints(blob.size)[:, 0]
+  n = 1 << int(max(sizes.max(), 1) - 1).bit_length()  # power-of-two buffers: few programs
   buf = np.zeros((n,), np.uint8)
   buf[:blob.size] = blob
-  sizes = allgather_ints(blob.size)[:, 0]
   allb = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), n)
   return [json.loads(bytes(allb[i, :sizes[i]]).decode("utf-8")) for i in range(len(sizes))]
 
@@ -224,7 +237,9 @@ def mean_over_processes(metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
   keys = sorted(set().union(*[set(ks) for ks in allgather_json(mine)]))
   vals = np.asarray([float(metrics[k]) if k in metrics and _is_number(metrics[k]) else np.nan
                      for k in keys], np.float64)
-  allv = np.asarray(multihost_utils.process_allgather(vals)).reshape(jax.process_count(), -1)
+  # float64 travels as uint32 pairs (exact, with or without jax_enable_x64)
+  allv = np.asarray(multihost_utils.process_allgather(vals.view(np.uint32)), np.uint32)
+  allv = allv.reshape(jax.process_count(), -1).view(np.float64)
   out = dict(metrics)
   sums = set(sum_keys)
   for i, k in enumerate(keys):

@@ -45,24 +45,29 @@ def _parse():
   return p.parse_args()
 
 
-ARGS = _parse()
-# Must happen before jax is imported.
-os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={ARGS.local_devices} "
-                           + os.environ.get("MP_WORKER_XLA_FLAGS", ""))
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"  # cross-process CPU collectives
-for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
-             ("TOKENIZERS_PARALLELISM", "false")):
-  os.environ.setdefault(k, v)
-for p in (_HERE, _ROOT, os.path.join(_ROOT, "kernels")):
-  if p not in sys.path:
-    sys.path.insert(0, p)
+ARGS = None
+if __name__ == "__main__":  # a worker process (the tests also import numpy_params)
+  ARGS = _parse()
+  # Must happen before jax is imported.
+  # (LLVM -O0: a third less compile time on 2 loaded cores; the programs are tiny)
+  os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={ARGS.local_devices} "
+                             + os.environ.get("MP_WORKER_XLA_FLAGS",
+                                              "--xla_backend_optimization_level=0"))
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] = "gloo"  # cross-process CPU collectives
+  for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+               ("TOKENIZERS_PARALLELISM", "false")):
+    os.environ.setdefault(k, v)
+  for p in (_HERE, _ROOT, os.path.join(_ROOT, "kernels")):
+    if p not in sys.path:
+      sys.path.insert(0, p)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
+if __name__ == "__main__":
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 from fbos_jax import distributed  # noqa: E402
 
@@ -105,29 +110,35 @@ class CountingVerifier:
     return self.inner(example, response)
 
 
-def counting_env(env):
-  """Score ``env``'s rollouts with the counting text-hash verifier; also record
-  each verify batch (one per sampling round and host)."""
+def counting_env(env, its):
+  """Score ``env``'s rollouts with the counting text-hash verifier, feeding it
+  ``its`` (a list of (host, iterator)) through :class:`Tagged`. Returns the
+  verifier and, per step, the example ids of each verify batch (round 1, then
+  round 2 if this process sampled one)."""
   counter = CountingVerifier(text_hash_verifier)
   env.pool.verifier = counter
-  batches = []
+  steps = []
+  env.train_iter = Tagged(its, on_next=lambda: steps.append([]))
   inner_verify = env.verify
 
   def verify(examples, texts):
-    batches.append([str(ex.get("id", "")) for ex in examples])
+    steps[-1].append([str(ex.get("id", "")) for ex in examples])
     return inner_verify(examples, texts)
 
   env.verify = verify
-  return counter, batches
+  return counter, steps
 
 
 class Tagged:
   """Tags each example of ``it``'s batches with ``_slot = [host, index in batch]``."""
 
-  def __init__(self, its):
+  def __init__(self, its, on_next=None):
     self.its = its
+    self.on_next = on_next
 
   def __next__(self):
+    if self.on_next:
+      self.on_next()
     return [dict(ex, _slot=[host, j]) for host, it in self.its
             for j, ex in enumerate(next(it))]
 
@@ -137,6 +148,24 @@ class Tagged:
   def set_state(self, state):
     if len(self.its) == 1:
       self.its[0][1].set_state(state)
+
+
+def numpy_params(c):
+  """qwen.init_params' recipe drawn with numpy (the jitted init costs a 7 s
+  compile on 2 loaded cores); identical on every process."""
+  from fbos_jax.model import qwen
+  rng = np.random.default_rng(c.seed)
+
+  def leaf(path, a):
+    name = path[-1].key
+    if name.endswith("norm"):
+      return np.ones(a.shape, a.dtype)
+    if name.endswith("bias"):
+      return np.zeros(a.shape, a.dtype)
+    return (0.02 * rng.standard_normal(a.shape)).astype(a.dtype)
+
+  return jax.tree_util.tree_map_with_path(
+      leaf, qwen.abstract_params(qwen.ModelConfig.from_dict(c.model)))
 
 
 def canonical_state(tr):
@@ -182,9 +211,8 @@ def run_train():
   from fbos_jax.rl.trainer import RLTrainer
   c = config(ARGS.steps, EQUIV_MESH)
   mesh = sh.make_mesh(c.mesh)
-  tr = RLTrainer(c, ARGS.workdir, mesh=mesh)
-  tr.env.train_iter = Tagged([(jax.process_index(), tr.env.train_iter)])
-  counter, batches = counting_env(tr.env)
+  tr = RLTrainer(c, ARGS.workdir, mesh=mesh, init_params=numpy_params(c))
+  counter, batches = counting_env(tr.env, [(jax.process_index(), tr.env.train_iter)])
   state, hist = tr.train(canonical_state(tr))
   tr.close()
   params = params_to_host(state)
@@ -210,9 +238,9 @@ def run_reference():
                                        seed=c.data.shuffle_seed + c.seed, tokenizer=env.tokenizer)
          for i in range(2)]
 
-  env.train_iter = Tagged(list(enumerate(its)))  # host 0's rows, then host 1's
-  tr = RLTrainer(c, ARGS.workdir, env=env, mesh=sh.make_mesh(c.mesh))
-  counter, batches = counting_env(env)
+  tr = RLTrainer(c, ARGS.workdir, env=env, mesh=sh.make_mesh(c.mesh),
+                 init_params=numpy_params(c))
+  counter, batches = counting_env(env, list(enumerate(its)))  # host 0's rows, then host 1's
   state, hist = tr.train(canonical_state(tr))
   tr.close()
   write({"history": clean(hist), "step": int(state.step), "verifier_calls": counter.calls,
@@ -223,8 +251,8 @@ def run_restore():
   from fbos_jax import sharding as sh
   from fbos_jax.rl.trainer import RLTrainer
   c = config(ARGS.steps, RESTORE_MESH)
-  tr = RLTrainer(c, ARGS.workdir, mesh=sh.make_mesh(c.mesh))
-  state = tr.init_state()
+  tr = RLTrainer(c, ARGS.workdir, mesh=sh.make_mesh(c.mesh), init_params=numpy_params(c))
+  state = tr.init_state()  # the restore target (its values are overwritten)
   state, resumed = tr.maybe_restore(state)
   restored_step = int(state.step)
   restored = params_to_host(state)

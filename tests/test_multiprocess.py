@@ -67,7 +67,7 @@ def tail(p, n=3000) -> str:
 
 def wait_all(procs, timeout_s: float, *, peer_grace_s: float = 30.0, check=True):
   """Wait for every process; kill all on timeout, or the rest soon after one fails
-  (its peers would wait in a collective)."""
+  (its peers would wait in a collective). Returns the exit statuses."""
   deadline = time.time() + timeout_s
   failed_at = None
   while any(p.poll() is None for p in procs):
@@ -82,7 +82,8 @@ def wait_all(procs, timeout_s: float, *, peer_grace_s: float = 30.0, check=True)
       break
     time.sleep(0.2)
   for p in procs:
-    p.log_file.close()
+    if not p.log_file.closed:
+      p.log_file.close()
   if check and any(p.returncode != 0 for p in procs):
     pytest.fail("worker(s) failed or timed out:\n" + "\n".join(tail(p) for p in procs))
   return [p.returncode for p in procs]
@@ -94,23 +95,65 @@ def load(path):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """The 2-process run and the 1-process reference, launched together."""
+def bad_input_runs(tmp_path_factory):
+  """Light workers for the bad-input tests, started at once (they mostly wait
+  on timeouts, so they overlap with the training runs when those are selected)."""
+  d = tmp_path_factory.mktemp("bad")
+  port = free_port()
+  return {
+      "dir": d,
+      # 2 processes whose meshes do not fit them
+      "bad_mesh": [launch(["--mode=bad_mesh", f"--process_id={i}", "--num_processes=2",
+                           f"--coordinator=127.0.0.1:{port}", "--timeout_s=90",
+                           f"--workdir={d / 'w'}", f"--out={d / f'b{i}.json'}"],
+                          d / f"b{i}.log") for i in range(2)],
+      # process 1 of 2, nobody listening on the coordinator's port
+      "lone_worker": launch(["--mode=init_only", "--process_id=1", "--num_processes=2",
+                             f"--coordinator=127.0.0.1:{free_port()}", "--timeout_s=3"],
+                            d / "worker.log"),
+      # process 0 of 2 (it hosts the coordinator); its peer never comes
+      "lone_coordinator": launch(["--mode=init_only", "--process_id=0", "--num_processes=2",
+                                  f"--coordinator=127.0.0.1:{free_port()}", "--timeout_s=4"],
+                                 d / "coordinator.log"),
+  }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, bad_input_runs):
+  """The 2-process run and the 1-process reference, launched together; the
+  restore of the 2-process checkpoint starts as soon as that run ends (its test
+  waits for it)."""
+  del bad_input_runs  # only started first, to overlap
   d = tmp_path_factory.mktemp("mp")
   port = free_port()
   t0 = time.time()
-  procs = [launch(["--mode=train", f"--process_id={i}", "--num_processes=2",
+  hosts = [launch(["--mode=train", f"--process_id={i}", "--num_processes=2",
                    f"--coordinator=127.0.0.1:{port}", "--timeout_s=90",
                    f"--workdir={d / 'mp'}", f"--out={d / f'p{i}.json'}"], d / f"p{i}.log")
            for i in range(2)]
-  procs.append(launch(["--mode=reference", "--local_devices=8", f"--workdir={d / 'ref'}",
-                       f"--out={d / 'ref.json'}"], d / "ref.log"))
-  wait_all(procs, timeout_s=420)
-  out = {"dir": d, "seconds": time.time() - t0,
+  ref = launch(["--mode=reference", "--local_devices=8", f"--workdir={d / 'ref'}",
+                f"--out={d / 'ref.json'}"], d / "ref.log")
+  try:
+    wait_all(hosts, timeout_s=420)
+  finally:
+    if any(p.returncode != 0 for p in hosts):
+      wait_all([ref], timeout_s=0, check=False)  # kill it
+  shutil.copytree(d / "mp", d / "restore")  # a 1-process run on another mesh resumes it
+  restore = launch(["--mode=restore", "--local_devices=8", "--steps=3",
+                    f"--workdir={d / 'restore'}", f"--out={d / 'restore.json'}"],
+                   d / "restore.log")
+  try:
+    wait_all([ref], timeout_s=300)
+  except BaseException:
+    wait_all([restore], timeout_s=0, check=False)
+    raise
+  out = {"dir": d, "seconds": time.time() - t0, "restore": restore,
          "hosts": [load(d / f"p{i}.json") for i in range(2)], "ref": load(d / "ref.json")}
   out["params"] = dict(np.load(d / "p0.npz"))
   out["ref_params"] = dict(np.load(d / "ref.npz"))
-  return out
+  yield out
+  if restore.poll() is None:  # its test was not selected
+    wait_all([restore], timeout_s=0, check=False)
 
 
 def test_two_processes_match_one_process(runs):
@@ -127,7 +170,7 @@ def test_two_processes_match_one_process(runs):
       assert got[k] == pytest.approx(want[k], abs=1e-5), (got["step"], k, got[k], want[k])
   # not a trivial equivalence: real gradients, and round 2 split unevenly over the hosts
   assert all(r["policy/grad_norm"] > 1e-3 and r["loss/epa"] != 0 for r in ref["history"])
-  r2 = [[len(b) for b in h["verify_batches"][1::2]] for h in (h0, h1)]
+  r2 = [[sum(map(len, step[1:])) for step in h["verify_batches"]] for h in (h0, h1)]
   assert any(a != b for a, b in zip(*r2)), r2
   p, q = runs["params"], runs["ref_params"]
   assert sorted(p) == sorted(q)
@@ -140,31 +183,30 @@ def test_each_process_verifies_only_its_own_rollouts(runs):
   ref = runs["ref"]
   steps = 2
   for h in (h0, h1):
-    # one verify batch per sampling round (2 per step); round 1 is 1/P of the global one
-    assert len(h["verify_batches"]) == 2 * steps
-    for b in h["verify_batches"][0::2]:
-      assert len(b) == GLOBAL_PROMPTS * GROUP // 2
-    assert len(h["verifier_calls"]) == sum(map(len, h["verify_batches"])) == h["pool_calls"]
+    # per step: a verify batch for round 1 (1/P of the global one), one for round 2
+    # when this host sampled round-2 rows
+    assert len(h["verify_batches"]) == steps
+    for step in h["verify_batches"]:
+      assert len(step[0]) == GLOBAL_PROMPTS * GROUP // 2 and len(step) <= 2
+    n = sum(len(b) for step in h["verify_batches"] for b in step)
+    assert len(h["verifier_calls"]) == n == h["pool_calls"]
   for s in range(steps):
-    ids = [set(h["verify_batches"][2 * s]) for h in (h0, h1)]
+    ids = [set(h["verify_batches"][s][0]) for h in (h0, h1)]
     assert not ids[0] & ids[1]  # disjoint prompts: nothing gathered to one host
-    assert ids[0] | ids[1] == set(ref["verify_batches"][2 * s])
+    assert ids[0] | ids[1] == set(ref["verify_batches"][s][0])
   calls = collections.Counter(h0["verifier_calls"]) + collections.Counter(h1["verifier_calls"])
   assert calls == collections.Counter(ref["verifier_calls"])  # every rollout verified once
 
 
-def test_two_process_checkpoint_restores_on_another_mesh(runs, tmp_path):
-  work = tmp_path / "restore"
-  shutil.copytree(runs["dir"] / "mp", work)
-  p = launch(["--mode=restore", "--local_devices=8", "--steps=3", f"--workdir={work}",
-              f"--out={tmp_path / 'restore.json'}"], tmp_path / "restore.log")
-  wait_all([p], timeout_s=300)
-  r = load(tmp_path / "restore.json")
+def test_two_process_checkpoint_restores_on_another_mesh(runs):
+  wait_all([runs["restore"]], timeout_s=300)
+  d = runs["dir"]
+  r = load(d / "restore.json")
   assert r["resumed"] and r["restored_step"] == 2
   assert r["mesh_shape"] == {"dcn": 1, "data": 2, "fsdp": 2, "tensor": 2}
   specs = " ".join(r["param_specs"].values())
   assert "tensor" in specs and "fsdp" in specs  # really resharded, not replicated
-  restored = dict(np.load(tmp_path / "restore_restored.npz"))
+  restored = dict(np.load(d / "restore_restored.npz"))
   for k, v in runs["params"].items():
     np.testing.assert_array_equal(restored[k], v, err_msg=k)
   assert r["step"] == 3 and [h["step"] for h in r["history"]] == [3]
@@ -172,6 +214,7 @@ def test_two_process_checkpoint_restores_on_another_mesh(runs, tmp_path):
 
 
 def test_checkpoint_of_another_model_config_is_rejected(runs, tmp_path):
+  from mp_worker import numpy_params
   from test_trainer import small
 
   from fbos_jax import checkpoint as ckpt_lib
@@ -180,7 +223,8 @@ def test_checkpoint_of_another_model_config_is_rejected(runs, tmp_path):
   work = tmp_path / "other_model"
   shutil.copytree(runs["dir"] / "mp", work)
   c = small("configs/fbos.py:tiny", **{"model.num_layers": 2})
-  tr = RLTrainer(c, str(work), mesh=sh.make_mesh({"data": 1}, devices=jax.devices()[:1]))
+  tr = RLTrainer(c, str(work), mesh=sh.make_mesh({"data": 1}, devices=jax.devices()[:1]),
+                 init_params=numpy_params(c))
   try:
     with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"model\.num_layers"):
       tr.maybe_restore(tr.init_state())
@@ -188,40 +232,31 @@ def test_checkpoint_of_another_model_config_is_rejected(runs, tmp_path):
     tr.close()
 
 
-def test_mesh_that_does_not_fit_the_processes(tmp_path):
-  port = free_port()
-  procs = [launch(["--mode=bad_mesh", f"--process_id={i}", "--num_processes=2",
-                   f"--coordinator=127.0.0.1:{port}", "--timeout_s=60",
-                   f"--workdir={tmp_path / 'w'}", f"--out={tmp_path / f'b{i}.json'}"],
-                  tmp_path / f"b{i}.log") for i in range(2)]
-  wait_all(procs, timeout_s=150)
+def test_mesh_that_does_not_fit_the_processes(bad_input_runs):
+  wait_all(bad_input_runs["bad_mesh"], timeout_s=300)
   for i in range(2):
-    errs = load(tmp_path / f"b{i}.json")["errors"]
+    errs = load(bad_input_runs["dir"] / f"b{i}.json")["errors"]
     assert errs["fixed_size"] and "ShardingError" in errs["fixed_size"]
     assert "multiply to 4, but there are 8 devices" in errs["fixed_size"]
     assert errs["batch_axes"] and "ProcessMeshError" in errs["batch_axes"]
     assert "do not divide over 2 processes" in errs["batch_axes"]
 
 
-def test_unreachable_coordinator_and_missing_peers_time_out(tmp_path):
-  t0 = time.time()
-  # process 1 of 2, nobody listening on the coordinator's port
-  lone_worker = launch(["--mode=init_only", "--process_id=1", "--num_processes=2",
-                        f"--coordinator=127.0.0.1:{free_port()}", "--timeout_s=3"],
-                       tmp_path / "worker.log")
-  # process 0 of 2 (hosts the coordinator), its peer never comes
-  lone_coordinator = launch(["--mode=init_only", "--process_id=0", "--num_processes=2",
-                             f"--coordinator=127.0.0.1:{free_port()}", "--timeout_s=4"],
-                            tmp_path / "coordinator.log")
-  rcs = wait_all([lone_worker, lone_coordinator], timeout_s=90, check=False)
-  elapsed = time.time() - t0
-  worker_log, coord_log = tail(lone_worker), tail(lone_coordinator)
-  assert rcs[0] == 3, worker_log  # a DistributedInitError, raised in Python
-  assert "DistributedInitError" in worker_log and "unreachable after 3s" in worker_log, worker_log
+def test_unreachable_coordinator_and_missing_peers_time_out(bad_input_runs):
+  import re
+
   from fbos_jax.distributed import INIT_TIMEOUT_EXIT_CODE
+  worker, coordinator = bad_input_runs["lone_worker"], bad_input_runs["lone_coordinator"]
+  rcs = wait_all([worker, coordinator], timeout_s=120, check=False)  # no hang
+  worker_log, coord_log = tail(worker), tail(coordinator)
+  # process 1: a DistributedInitError (a Python exception) after its 3 s timeout
+  assert rcs[0] == 3, worker_log
+  assert "unreachable after 3s" in worker_log, worker_log
+  waited = float(re.search(r"DistributedInitError after ([0-9.]+)s", worker_log).group(1))
+  assert 3 <= waited < 20, worker_log
+  # process 0: JAX would abort (a C++ fatal error); the watchdog exits first, saying why
   assert rcs[1] == INIT_TIMEOUT_EXIT_CODE, coord_log
-  assert "did not finish within 4s" in coord_log, coord_log
-  assert elapsed < 60
+  assert "did not finish within 4s" in coord_log and "--num_processes" in coord_log, coord_log
 
 
 def test_sampler_draws_are_keyed_by_global_sample():
@@ -238,18 +273,23 @@ def test_sampler_draws_are_keyed_by_global_sample():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, cfg.vocab_size, size=k) for k in (5, 3, 7, 4, 6)]
   kw = dict(max_new_tokens=5, temperature=1.0, prompt_buckets=(8,))
-  scfg = sampling.make_config(**kw)
+  fn = sampling.get_generate_fn(cfg, sampling.make_config(**kw), batch=4, prompt_len=8,
+                                n_per_prompt=2)  # one program for every call below
   key = jax.random.key_data(jax.random.key(3))
-  run = lambda rows, ids, bb: {k: np.asarray(v) for k, v in sampling.get_generate_fn(
-      cfg, scfg, batch=bb, prompt_len=8, n_per_prompt=2)(
-          params, *map(np.asarray, sampling.left_pad(rows, 8, bb, 0)), key, np.float32(1),
-          np.float32(1), sampling.stop_id_array(()),
-          np.asarray(list(ids) + [-1] * (bb - len(ids)), np.int32)).items()}
-  whole = run(prompts[:4], range(4), 4)
-  host1 = run(prompts[2:4], [2, 3], 8)  # host 1: global prompts 2, 3, more padding
-  np.testing.assert_array_equal(host1["tokens"][:4], whole["tokens"][4:8])
-  np.testing.assert_allclose(host1["logprobs"][:4], whole["logprobs"][4:8], atol=1e-6)
-  one = sampling.sample(params, cfg, prompts, key=key, n_per_prompt=2, batch_buckets=(8,), **kw)
-  chunked = sampling.sample(params, cfg, prompts, key=key, n_per_prompt=2,
-                            batch_buckets=(2, 4), **kw)  # chunks of 4 + 1
-  np.testing.assert_array_equal(one.tokens, chunked.tokens)
+
+  def run(rows, ids):  # a process's call: its prompts and their global indices
+    toks, mask = sampling.left_pad(rows, 8, 4, 0)
+    ids = np.asarray(list(ids) + [-1] * (4 - len(ids)), np.int32)
+    out = fn(params, toks, mask, key, np.float32(1), np.float32(1), sampling.stop_id_array(()),
+             ids)
+    return {k: np.asarray(v)[:2 * len(rows)] for k, v in out.items()}
+
+  whole = run(prompts[:4], range(4))
+  host1 = run(prompts[2:4], [2, 3])  # host 1: global prompts 2, 3 (and 2 dummy rows)
+  np.testing.assert_array_equal(host1["tokens"], whole["tokens"][4:8])
+  np.testing.assert_allclose(host1["logprobs"], whole["logprobs"][4:8], atol=1e-6)
+  assert (whole["tokens"][0::2] != whole["tokens"][1::2]).any()  # really sampled
+  chunked = sampling.sample(params, cfg, prompts, key=key, n_per_prompt=2, batch_buckets=(4,),
+                            **kw)  # chunks of 4 + 1 prompts
+  np.testing.assert_array_equal(
+      chunked.tokens, np.concatenate([whole["tokens"], run(prompts[4:], [4])["tokens"]]))

@@ -171,7 +171,7 @@ class RLTrainer:
     step = self.ckpt.latest_step()
     if step is None:
       return state, False
-    abstract = ckpt_lib.abstract_with_shardings(self._full_state(state))
+    abstract = ckpt_lib.abstract_with_shardings(self._full_state(state), self.mesh)
     expected = {"model": self.config.model.to_dict()}
     full, data_state, meta = self.ckpt.restore(step, abstract, expected)
     self.gfpo_state = full["gfpo"]
