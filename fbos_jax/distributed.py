@@ -143,7 +143,8 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
   if explicit:
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id)
-  if local_device_ids is None and not explicit and _on_slurm() and not _on_tpu_pod():
+  if local_device_ids is None and _on_slurm() and not _on_tpu_pod():
+    # (JAX's SLURM detection fills unset local_device_ids even with explicit flags)
     local_device_ids = _slurm_local_device_ids()
   if local_device_ids is not None:
     kwargs["local_device_ids"] = local_device_ids

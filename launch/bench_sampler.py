@@ -15,7 +15,9 @@ the same background load.
 Reported: new tokens/s (greedy and sampling at temperature 1, top_k 0), the
 cost per token at 512 vs 128 new tokens, the sampler's achieved GFLOP/s (decode
 FLOPs: weight matmuls + attention over the filled cache) next to the float32
-matmul peak measured in the same run, and optionally a bfloat16 row. The last
+matmul peak measured in the same run (and the bytes streamed per second next to
+the measured read bandwidth, the actual bound of batch-16 decode), and
+optionally a bfloat16 row. The last
 line is JSON with ``ours_tok_s``, ``hf_tok_s``, ``ratio`` (greedy float32) and
 ``cost_growth_512_vs_128``.
 """
@@ -104,6 +106,26 @@ def matmul_peak_gflops(repeats: int) -> dict:
     t, _ = median_time(lambda: jax.block_until_ready(f(a, b)), max(repeats, 5))
     out[name] = 2 * m * k * n * iters / t / 1e9
   return out
+
+
+def read_bandwidth_gbs(repeats: int) -> float:
+  """Streaming read bandwidth (GB/s) over 64 MiB, measured now: decode at batch 16 reads
+  every weight once per step for ~8 FLOP/byte, so this, not the FLOP peak, bounds it."""
+  x = jnp.ones((16 * 1024 * 1024 // 256, 256), jnp.float32)
+  f = jax.jit(lambda x: jax.lax.fori_loop(0, 10, lambda i, c: c + jnp.sum(x + c), 0.0))
+  t, _ = median_time(lambda: jax.block_until_ready(f(x)), max(repeats, 5))
+  return 10 * x.size * 4 / t / 1e9
+
+
+def decode_bytes(batch: int, prompt_len: int, new_tokens: int) -> float:
+  """Bytes a float32 decode step streams (all weights + the whole preallocated cache),
+  summed over the decode steps."""
+  d, f, v, l = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["vocab_size"], \
+      MODEL["num_hidden_layers"]
+  h, k, dh = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"]
+  weights = l * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f) + d * v
+  cache = 2 * l * batch * k * dh * (prompt_len + new_tokens - 1)
+  return 4.0 * (weights + cache) * (new_tokens - 1)
 
 
 def decode_flops(batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -200,6 +222,9 @@ def main(argv=None):
   print(f"ours  greedy  achieved {achieved:.1f} GFLOP/s of decode FLOPs; float32 matmul peak "
         f"measured now: {peak['2048^3']:.1f} GFLOP/s (2048^3), "
         f"{peak['16x256x1536']:.1f} GFLOP/s at the decode shape 16x256x1536")
+  bw = read_bandwidth_gbs(args.repeats)
+  print(f"ours  greedy  streams {decode_bytes(b, p, r) / t_short / 1e9:.1f} GB/s of weights + "
+        f"KV cache; read bandwidth measured now: {bw:.1f} GB/s (the bound at this batch size)")
 
   if args.bf16:
     cfg16 = dataclasses.replace(cfg, param_dtype="bfloat16", compute_dtype="bfloat16")
@@ -208,10 +233,11 @@ def main(argv=None):
     print(f"ours  greedy  bfloat16: {tok / t:9.0f} new tok/s")
 
   ours_tok = rows["ours_greedy"]
-  hf_tok = rows.get("HF_greedy", float("nan"))
-  print(json.dumps({"ours_tok_s": round(ours_tok, 1), "hf_tok_s": round(hf_tok, 1),
-                    "ratio": round(ours_tok / hf_tok, 3), "cost_growth_512_vs_128":
-                    round(growth, 3)}))
+  hf_tok = rows.get("HF_greedy")  # None with --skip_hf
+  print(json.dumps({"ours_tok_s": round(ours_tok, 1),
+                    "hf_tok_s": None if hf_tok is None else round(hf_tok, 1),
+                    "ratio": None if hf_tok is None else round(ours_tok / hf_tok, 3),
+                    "cost_growth_512_vs_128": round(growth, 3)}))
 
 
 if __name__ == "__main__":

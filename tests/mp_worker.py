@@ -82,6 +82,9 @@ def config(steps: int, mesh: dict):
                      "train.progress": False})
   for k, v in mesh.items():
     c.mesh[k] = v
+  # one batch bucket for both rounds and every step: no recompiles in step 2
+  # (a host pads its 2 prompts to 16, the 1-process run its 4)
+  c.sampling.batch_buckets = (16,)
   return c
 
 
