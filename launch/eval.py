@@ -20,16 +20,13 @@ def main(argv):
   from fbos_jax.rl.trainer import RLTrainer
   config = _CONFIG.value
   trainer = RLTrainer(config, FLAGS.workdir, log_metrics=False)
-  state = trainer.init_state()
-  if trainer.ckpt.latest_step() is None:
-    raise app.UsageError(f"no checkpoint in {FLAGS.workdir}/checkpoints")
-  from fbos_jax import checkpoint as ckpt_lib
-  full, _, _ = trainer.ckpt.restore(None if FLAGS.step < 0 else FLAGS.step,
-                                    ckpt_lib.abstract_with_shardings(trainer._full_state(state)),
-                                    {"model": config.model.to_dict()})
-  res = trainer.evaluate(full["train"].params, trainer.env.eval_examples(), k=FLAGS.k,
-                         step=int(full["train"].step))
-  res["step"] = int(full["train"].step)
+  try:
+    state = trainer.restore_train_state(None if FLAGS.step < 0 else FLAGS.step)
+  except FileNotFoundError as e:
+    raise app.UsageError(str(e)) from None
+  res = trainer.evaluate(state.params, trainer.env.eval_examples(), k=FLAGS.k,
+                         step=int(state.step))
+  res["step"] = int(state.step)
   print(json.dumps(res, indent=2))
   trainer.close()
 

@@ -20,21 +20,18 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  from fbos_jax import checkpoint as ckpt_lib
   from fbos_jax.model.hf import save_hf_checkpoint
   from fbos_jax.rl.trainer import RLTrainer
   config = _CONFIG.value
   trainer = RLTrainer(config, FLAGS.workdir, log_metrics=False)
-  state = trainer.init_state()
-  if trainer.ckpt.latest_step() is None:
-    raise app.UsageError(f"no checkpoint in {FLAGS.workdir}/checkpoints")
-  full, _, _ = trainer.ckpt.restore(None if FLAGS.step < 0 else FLAGS.step,
-                                    ckpt_lib.abstract_with_shardings(trainer._full_state(state)),
-                                    {"model": config.model.to_dict()})
-  paths = save_hf_checkpoint(full["train"].params, trainer.model_cfg, FLAGS.out,
+  try:
+    state = trainer.restore_train_state(None if FLAGS.step < 0 else FLAGS.step)
+  except FileNotFoundError as e:
+    raise app.UsageError(str(e)) from None
+  paths = save_hf_checkpoint(state.params, trainer.model_cfg, FLAGS.out,
                              dtype=FLAGS.dtype or None)
   trainer.env.tokenizer.save_pretrained(FLAGS.out)  # so the directory serves as is
-  print(f"wrote {FLAGS.out} ({len(paths)} files) from step {int(full['train'].step)}")
+  print(f"wrote {FLAGS.out} ({len(paths)} files) from step {int(state.step)}")
   trainer.close()
 
 

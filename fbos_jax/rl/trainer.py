@@ -167,6 +167,15 @@ class RLTrainer:
                    distributed.per_process_state(self.env.data_state()), meta,
                    force=force)
 
+  def restore_train_state(self, step=None) -> update_lib.TrainState:
+    """The TrainState of checkpoint ``step`` (latest if None), resharded onto this
+    trainer's mesh; for eval / export (data and GFPO state are not touched)."""
+    if self.ckpt.latest_step() is None:
+      raise FileNotFoundError(f"no checkpoint in {self.ckpt.directory}")
+    abstract = ckpt_lib.abstract_with_shardings(self._full_state(self.init_state()), self.mesh)
+    full, _, _ = self.ckpt.restore(step, abstract, {"model": self.config.model.to_dict()})
+    return full["train"]
+
   def maybe_restore(self, state):
     step = self.ckpt.latest_step()
     if step is None:
