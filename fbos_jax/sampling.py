@@ -113,6 +113,11 @@ class SamplingConfig:
   pad_id: id written to padding (prompt left padding, response after a stop).
   layer_loop: 'auto' | 'unroll' | 'scan' (see the module docstring).
   cache_dtype: KV-cache dtype; default the model's compute dtype.
+  decode_phases: the decode loop runs as up to this many consecutive loops, each
+    over a KV cache just long enough for the slots filled by its end (see
+    :func:`decode_phase_lengths`), so attention reads only (about) the filled
+    part of the cache; 1 = a single loop over the whole preallocated cache.
+    Each phase is one more compiled loop body (compile time grows with it).
   """
   max_new_tokens: int = 256
   temperature: float = 1.0
@@ -126,6 +131,7 @@ class SamplingConfig:
   pad_id: int = 0
   layer_loop: str = "auto"
   cache_dtype: Optional[str] = None
+  decode_phases: int = 4
 
   @property
   def is_greedy(self) -> bool:
@@ -151,6 +157,8 @@ class SamplingConfig:
       bad(f"top_k={self.top_k} must be >= 0 (0 = off).")
     if self.truncate not in TRUNCATE_POLICIES:
       bad(f"truncate={self.truncate!r}; expected one of {TRUNCATE_POLICIES}.")
+    if int(self.decode_phases) < 1:
+      bad(f"decode_phases={self.decode_phases} must be >= 1.")
     if self.layer_loop not in LAYER_LOOPS:
       bad(f"layer_loop={self.layer_loop!r}; expected one of {LAYER_LOOPS}.")
     for name in ("prompt_buckets", "batch_buckets"):
@@ -354,6 +362,45 @@ def _choose(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
 # ----------------------------------------------------------------------------- the program
 
 
+def decode_phase_lengths(prompt_len: int, max_new_tokens: int, phases: int,
+                         align: int = 16) -> tuple:
+  """Cache lengths (slots) of the consecutive decode loops, increasing, the last
+  ``S = prompt_len + max_new_tokens - 1``.
+
+  Decode step ``i`` (1 <= i < R) feeds token ``i-1`` into slot ``P + i - 1``; the
+  R - 1 steps are split into at most ``phases`` runs of ``c`` steps (``c`` a
+  multiple of ``align``), and the loop of phase k runs over a cache of
+  ``min(S, P + (k + 1) * c)`` slots: attention then costs about the filled length
+  (+ up to ``c`` slots) per step instead of S. ``phases=1``: one loop, ``(S,)``.
+  """
+  p, r = int(prompt_len), int(max_new_tokens)
+  s = p + r - 1
+  steps = r - 1
+  if phases <= 1 or steps <= align:
+    return (s,)
+  c = -(-steps // int(phases))
+  c = -(-c // align) * align
+  return tuple(min(s, p + k * c) for k in range(1, -(-steps // c) + 1))
+
+
+def grow_cache(cache: qwen.KVCache, length: int) -> qwen.KVCache:
+  """Pad every cache array with empty slots up to ``length`` slots (k: last axis,
+  v: second-to-last; stacked or layer-split). A no-op at the current length."""
+  extra = int(length) - qwen.cache_len(cache)
+  if extra < 0:
+    raise ValueError(f"cannot shrink a {qwen.cache_len(cache)}-slot cache to {length}")
+  if extra == 0:
+    return cache
+
+  def pad(x, axis):
+    widths = [(0, 0)] * x.ndim
+    widths[axis % x.ndim] = (0, extra)
+    return jnp.pad(x, widths)
+
+  return qwen.KVCache(jax.tree.map(lambda x: pad(x, -1), cache.k),
+                      jax.tree.map(lambda x: pad(x, -2), cache.v))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Static:
   """Everything the compiled program depends on besides the array shapes."""
@@ -365,6 +412,7 @@ class _Static:
   pad_id: int
   unroll: bool
   cache_dtype: Optional[str]
+  decode_phases: int
 
 
 def _rules_key(rules):
@@ -422,10 +470,11 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
     return _choose(logits, k, temperature, top_p,
                    greedy=st.greedy, top_k=st.top_k, use_top_p=st.use_top_p, u=u)
 
-  # ---- prefill the B prompts once
+  # ---- prefill the B prompts once, into a cache as long as the first decode phase needs
+  phase_lens = decode_phase_lengths(p, r, st.decode_phases)
   prompt_mask = prompt_mask.astype(jnp.int32)
-  cache = con_cache(qwen.init_cache(cfg, b, s, cache_dt, split=st.unroll))
-  kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, r - 1), jnp.int32)], axis=1)
+  cache = con_cache(qwen.init_cache(cfg, b, phase_lens[0], cache_dt, split=st.unroll))
+  kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, phase_lens[0] - p), jnp.int32)], axis=1)
   positions = qwen.positions_from_mask(prompt_mask)
   hidden, cache = qwen.forward(run_params, prompt_tokens, prompt_mask, cfg, positions=positions,
                                cache=cache, cache_index=0, kv_mask=kv_mask)
@@ -454,10 +503,6 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
   done = is_stop(tok0)
   lengths = jnp.ones((rows,), jnp.int32)
 
-  def cond(c):
-    i, done = c[0], c[3]
-    return (i < r) & jnp.logical_not(jnp.all(done))
-
   def body(c):
     i, last, cache, done, kv_mask, tokens, logprobs, lengths = c
     slot = p + i - 1  # slot of token i-1, the one fed now
@@ -475,9 +520,23 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
     return (i + 1, tok, con_cache(cache), con(done, ("batch",)), con(kv_mask, row_axes),
             con(tokens, row_axes), con(logprobs, row_axes), con(lengths, ("batch",)))
 
-  init = (jnp.int32(1), tok0, cache, done, kv_mask, con(tokens, row_axes),
-          con(logprobs, row_axes), lengths)
-  _, _, _, done, _, tokens, logprobs, lengths = jax.lax.while_loop(cond, body, init)
+  # ---- decode: one while loop per phase; phase k's cache holds phase_lens[k] slots, enough
+  # for every token fed up to its end, so attention never reads the slots of later phases.
+  # Between phases the cache (and kv_mask) grow by padding: one copy of the filled part.
+  carry = (jnp.int32(1), tok0, cache, done, kv_mask, con(tokens, row_axes),
+           con(logprobs, row_axes), lengths)
+  for phase_len in phase_lens:
+    i, last, cache, done, kv_mask, tokens, logprobs, lengths = carry
+    cache = con_cache(grow_cache(cache, phase_len))
+    kv_mask = con(jnp.pad(kv_mask, ((0, 0), (0, phase_len - kv_mask.shape[1]))), row_axes)
+    end = min(r, phase_len - p + 1)  # steps i < end feed slots p + i - 1 < phase_len
+
+    def cond(c, end=end):
+      return (c[0] < end) & jnp.logical_not(jnp.all(c[3]))
+
+    carry = jax.lax.while_loop(
+        cond, body, (i, last, cache, done, kv_mask, tokens, logprobs, lengths))
+  _, _, _, done, _, tokens, logprobs, lengths = carry
   steps = jnp.arange(r, dtype=jnp.int32)[None, :]
   mask = (steps < lengths[:, None]).astype(jnp.int32)
   if n > 1:
@@ -522,7 +581,8 @@ def get_generate_fn(cfg: qwen.ModelConfig, scfg: SamplingConfig, *, batch: int, 
   st = _Static(max_new_tokens=int(scfg.max_new_tokens), greedy=scfg.is_greedy,
                top_k=int(scfg.top_k), use_top_p=float(scfg.top_p) < 1.0,
                num_stop_slots=_stop_slots(len(scfg.stop_token_ids)),
-               pad_id=int(scfg.pad_id), unroll=unroll, cache_dtype=scfg.cache_dtype)
+               pad_id=int(scfg.pad_id), unroll=unroll, cache_dtype=scfg.cache_dtype,
+               decode_phases=int(scfg.decode_phases))
   key = (cfg, st, int(batch), int(prompt_len), int(n_per_prompt), mesh, _rules_key(rules))
   with _LOCK:
     fn = _FNS.get(key)

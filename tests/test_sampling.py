@@ -180,6 +180,41 @@ def test_greedy_logprobs_are_temperature_one(tiny):
   np.testing.assert_allclose(out.logprobs, np.asarray(ref), atol=1e-4)
 
 
+def test_decode_phases_match_one_loop_and_teacher_forcing(tiny):
+  """Decoding in phases over a growing cache (attention over the filled part only)
+  gives the single-loop result; sampled log-probs still equal teacher forcing; stop
+  tokens end rows across phase boundaries."""
+  params, cfg = tiny
+  r = 40
+  assert sampling.decode_phase_lengths(8, r, 4) == (24, 40, 47)
+  assert sampling.decode_phase_lengths(8, r, 1) == (47,)
+  prompts = random_prompts([3, 8, 5], cfg.vocab_size, seed=12)
+  base = dict(max_new_tokens=r, prompt_buckets=(8,), batch_buckets=(4,))
+  for layer_loop in ("unroll", "scan"):
+    kw = dict(base, temperature=0.0, layer_loop=layer_loop)
+    one = sampling.sample(params, cfg, prompts, key=jax.random.PRNGKey(0), decode_phases=1, **kw)
+    ph = sampling.sample(params, cfg, prompts, key=jax.random.PRNGKey(0), decode_phases=4, **kw)
+    np.testing.assert_array_equal(ph.tokens, one.tokens)
+    np.testing.assert_allclose(ph.logprobs, one.logprobs, atol=1e-5)
+  kw = dict(base, temperature=0.8, top_k=0, n_per_prompt=2)
+  out = sampling.sample(params, cfg, prompts, key=jax.random.PRNGKey(3), decode_phases=4, **kw)
+  ref = jax.jit(sampling.teacher_forced_logprobs, static_argnums=1,
+                static_argnames="temperature")(
+      params, cfg, out.prompt_tokens, out.prompt_mask, out.tokens, out.response_mask,
+      temperature=0.8)
+  assert out.response_mask.all()
+  err = np.abs(np.asarray(ref) - out.logprobs).max()
+  assert err < 1e-4, f"sampler vs teacher-forced log-prob max error {err}"
+  # stop on a token that row 0 emits in the second phase
+  stop = int(out.tokens[0, 20])
+  first = int(np.nonzero(out.tokens[0] == stop)[0][0])
+  stopped = sampling.sample(params, cfg, prompts, key=jax.random.PRNGKey(3), decode_phases=4,
+                            stop_token_ids=(stop,), **kw)
+  assert stopped.lengths[0] == first + 1
+  np.testing.assert_array_equal(stopped.tokens[0, :first + 1], out.tokens[0, :first + 1])
+  assert (stopped.tokens[0, first + 1:] == 0).all()
+
+
 # ----------------------------------------------------------------------------- 3. sharding
 
 
@@ -213,15 +248,17 @@ def test_sharded_equals_single_device_and_second_call_compiles_nothing(tiny):
 def test_compiled_decode_loop_updates_cache_in_place(tiny):
   """No cache-sized copy inside the compiled loops (only the initial one)."""
   params, cfg = tiny
-  for layer_loop in ("unroll", "scan"):
-    scfg = sampling.make_config(layer_loop=layer_loop, **GREEDY)
+  for layer_loop, over in (("unroll", {}), ("scan", {}),
+                           ("unroll", dict(max_new_tokens=40, decode_phases=4))):
+    scfg = sampling.make_config(layer_loop=layer_loop, **{**GREEDY, **over})
     fn = sampling.get_generate_fn(cfg, scfg, batch=4, prompt_len=8)
     toks, mask = sampling.left_pad([np.array([1, 2, 3])], 8, 4, 0)
     hlo = fn.lower(params, jnp.asarray(toks), jnp.asarray(mask), jax.random.PRNGKey(0),
                    np.float32(1), np.float32(1),
                    sampling.stop_id_array(())).compile().as_text()
-    s = 8 + 8 - 1
-    cache_shapes = [f"[4,2,16,{s}]", f"[4,2,{s},16]", f"[2,4,2,16,{s}]", f"[2,4,2,{s},16]"]
+    lens = sampling.decode_phase_lengths(8, scfg.max_new_tokens, scfg.decode_phases)
+    cache_shapes = [x for s in lens for x in (f"[4,2,16,{s}]", f"[4,2,{s},16]",
+                                               f"[2,4,2,16,{s}]", f"[2,4,2,{s},16]")]
     comps = re.split(r"\n(?=\S)", hlo)  # one chunk per computation
     bad = [line.strip()[:120] for c in comps if not c.startswith("ENTRY")
            for line in c.splitlines() if " copy(" in line and any(x in line for x in cache_shapes)]
