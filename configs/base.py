@@ -179,8 +179,10 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
   if c.variant == "tiny":
     c.data.source = "procedural"
     c.data.task = "arithmetic"  # "12+45=" -> "57"; feedback names the wrong digits
-    c.data.difficulty = 1  # digits per operand, drawn from [1, 3]
-    c.data.max_difficulty = 3
+    # digits per operand, drawn from [1, 2]: after the warm start about a third of
+    # problems are solved and half of the groups have mixed rewards (RL has signal)
+    c.data.difficulty = 1
+    c.data.max_difficulty = 2
     c.sampling.max_new_tokens = 12
     c.sampling.prompt_buckets = (16, 32)
     c.sampling.fap_prompt_buckets = (64, 128)
@@ -193,12 +195,16 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
     c.rl.fixed_row_buckets = True  # compiles cost more than padded rows at this size
     c.rl.epa_max_per_prompt = 8
     c.sampling.batch_buckets = (8, 16, 64, 128)  # prompts per sampler call: few programs
-    c.optim.learning_rate = 3e-5  # RL; higher rates (2e-4) destabilised the tiny policy
+    # RL. Adam's step (about lr per coordinate) must stay inside the small region
+    # where the policy-gradient loss still falls: 3e-4 already lowered the reward.
+    c.optim.learning_rate = 1e-4
+    c.optim.schedule = "cosine"
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
     c.train.steps = 60
     c.train.eval_every = 10
-    c.train.eval_prompts = 128
+    c.train.eval_prompts = 256  # standard error of one greedy eval about 0.03
+    c.train.eval_k = 4  # also pass@1 at temperature 1 (mean of 4) and pass@4
     c.train.checkpoint_every = 10
     c.train.warm_start = "sft"
     c.sft.steps = 300

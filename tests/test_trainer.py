@@ -103,3 +103,17 @@ def test_resume_is_exact(tmp_path):
   rb = metrics_lib.read_jsonl(os.path.join(b, "metrics.jsonl"))
   drop = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "tokens/per_s"))}
   assert [drop(r) for r in ra] == [drop(r) for r in rb]
+
+
+def test_update_compiles_once(tmp_path):
+  """Step 2 must reuse step 1's update program: the update's output state has the
+  same shardings as the state it was given (out_shardings), so nothing recompiles."""
+  c = small("configs/grpo.py:tiny", **{"train.steps": 3, "train.checkpoint_every": 0})
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
+  state = tr.init_state()
+  shardings = jax.tree.map(lambda a: a.sharding, state)
+  state, _ = tr.train(state)
+  tr.close()
+  assert int(state.step) == 3
+  assert tr.update_fn()._cache_size() == 1
+  assert jax.tree.map(lambda a: a.sharding, state) == shardings

@@ -124,6 +124,12 @@ def empty_policy_batch(prompt_len: int, response_len: int, num_rows: int) -> Pol
                            num_rows=num_rows)
 
 
+def take_rows(batch: PolicyBatch, idx) -> PolicyBatch:
+  """Rows ``idx`` of a host batch (e.g. a permutation before mini-batching)."""
+  idx = np.asarray(idx)
+  return jax.tree.map(lambda a: a if np.ndim(a) == 0 else np.asarray(a)[idx], batch)
+
+
 def split_rows(batch: PolicyBatch, parts: int) -> list[PolicyBatch]:
   """Split along rows into ``parts`` equal mini-batches (rows must divide)."""
   n = batch.num_rows

@@ -41,38 +41,41 @@ def _corrupt(text: str, rng: random.Random) -> str:
 
 
 def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
-                       positive_feedback: str = "correct", fap_fraction: float = 0.0):
-  """Verifier-checked (context ids, response ids) pairs. Response ends with EOS.
+                       positive_feedback: str = "correct", num_corrections: int = 0):
+  """Verifier-checked demonstrations: (plain, corrections), each a pair of lists
+  (context ids, response ids); responses end with EOS.
 
-  With ``fap_fraction`` > 0, that share of the demonstrations are corrections:
-  the context is FAP(q, o_wrong, F) for a corrupted attempt o_wrong and its real
-  verifier feedback F, and the target is the verified solution (the warm start
-  then knows the FAP format, as an instruction-tuned base model would).
+  The first ``num_corrections`` examples become corrections: the context is
+  FAP(q, o_wrong, F) for a corrupted attempt o_wrong and its real verifier
+  feedback F, and the target is the verified solution (the warm start then
+  knows the FAP format, as an instruction-tuned base model would). A fixed count
+  keeps the batch shapes fixed. The rest are plain ``q -> o`` demonstrations
+  (FCP offline with ``conditional``: ``<EF>c</EF>q -> o``).
   """
-  prompts, responses = [], []
-  for ex in examples:
+  thr = env.config.verifier.success_threshold
+  plain, corr = ([], []), ([], [])
+  for i, ex in enumerate(examples):
     text = tasks_lib.solve(ex)
-    if not conditional and fap_fraction > 0 and rng.random() < fap_fraction:
+    if not conditional and i < num_corrections:
       wrong = _corrupt(text, rng)
       v_wrong = env.verifier(ex, wrong)
-      if v_wrong.reward < env.config.verifier.success_threshold and env.verifier(ex, text).reward \
-          >= env.config.verifier.success_threshold:
-        prompts.append(env.fap_ids(ex, wrong, v_wrong.feedback))
-        responses.append(env.tokenizer.encode(text, add_special_tokens=False) + [env.eos_id])
+      if v_wrong.reward < thr and env.verifier(ex, text).reward >= thr:
+        corr[0].append(env.fap_ids(ex, wrong, v_wrong.feedback))
+        corr[1].append(env.tokenizer.encode(text, add_special_tokens=False) + [env.eos_id])
         continue
     if conditional and rng.random() < 0.5:
       text = _corrupt(text, rng)
     v = env.verifier(ex, text)
-    if not conditional and v.reward < env.config.verifier.success_threshold:
+    if not conditional and v.reward < thr:
       continue  # only verified demonstrations
     resp = env.tokenizer.encode(text, add_special_tokens=False) + [env.eos_id]
     if conditional:
-      c = positive_feedback if v.reward >= env.config.verifier.success_threshold else v.feedback
-      prompts.append(env.fcp_prompt(ex, c))
+      c = positive_feedback if v.reward >= thr else v.feedback
+      plain[0].append(env.fcp_prompt(ex, c))
     else:
-      prompts.append(env.prompt_ids(ex))
-    responses.append(resp)
-  return prompts, responses
+      plain[0].append(env.prompt_ids(ex))
+    plain[1].append(resp)
+  return plain, corr
 
 
 def sft_batch(env, prompts, responses, prompt_len: int, response_len: int,
@@ -111,30 +114,38 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
                                      seed=config.seed + 7919)
   rng = random.Random(config.seed)
   r_len = config.sampling.max_new_tokens
-  buckets = sorted(set(config.sampling.prompt_buckets) | set(config.sampling.fap_prompt_buckets))
-  rows = batch_lib.bucket_rows(config.sft.batch_size, sh.batch_shard_count(mesh))
-  ecc = batch_lib.empty_policy_batch(8, r_len, batch_lib.bucket_rows(1, sh.batch_shard_count(mesh)))
+  shards = sh.batch_shard_count(mesh)
+  # Corrections (long FAP contexts) go in the update's second slot with their own
+  # prompt bucket, so the short plain demonstrations are not padded to FAP length.
+  n_corr = 0 if config.sft.conditional else int(round(config.sft.fap_fraction * config.sft.batch_size))
+  plain_rows = batch_lib.bucket_rows(max(config.sft.batch_size - n_corr, 1), shards)
+  corr_rows = batch_lib.bucket_rows(max(n_corr, 1), shards)
+  p_buckets = sorted(set(config.sampling.prompt_buckets) | set(config.sampling.fap_prompt_buckets))
+  f_buckets = sorted(config.sampling.fap_prompt_buckets)
+  pick = lambda seqs, bs: next((b for b in bs if b >= max(map(len, seqs), default=1)), bs[-1])
   put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh), b)
-  ecc = put(ecc)
-  weights = jnp.asarray([1.0, 0.0])
+  empty = put(batch_lib.empty_policy_batch(8, r_len, corr_rows))
+  # each term is a token mean; weigh them by their share of the demonstrations
+  weights = jnp.asarray([1.0 - n_corr / config.sft.batch_size, n_corr / config.sft.batch_size])
   history = []
   rng_iter = range(steps)
   if progress and jax.process_index() == 0:
     from tqdm.auto import tqdm
     rng_iter = tqdm(rng_iter, desc="SFT warm start", dynamic_ncols=True)
   for s in rng_iter:
-    prompts, responses = demonstration_rows(env, next(it), conditional=config.sft.conditional,
-                                            rng=rng,
-                                            positive_feedback=config.rl.fcp_positive_feedback,
-                                            fap_fraction=config.sft.fap_fraction)
-    p_len = next((b for b in buckets if b >= max(len(p) for p in prompts)), buckets[-1])
-    b = put(sft_batch(env, prompts, responses, p_len, r_len, rows))
-    state, m = step_fn(state, b, ecc, weights)
+    (pp, pr), (cp, cr) = demonstration_rows(
+        env, next(it), conditional=config.sft.conditional, rng=rng,
+        positive_feedback=config.rl.fcp_positive_feedback, num_corrections=n_corr)
+    b = put(sft_batch(env, pp, pr, pick(pp, p_buckets), r_len, plain_rows))
+    c = put(sft_batch(env, cp, cr, pick(cp, f_buckets), r_len, corr_rows)) if cp else empty
+    state, m = step_fn(state, b, c, weights)
     if s % 20 == 0 or s == steps - 1:
       m = jax.device_get(m)
-      history.append({"step": s, "nll": float(m["epa_loss"])})
+      nll = float(weights[0] * m["epa_loss"] + weights[1] * m["ecc_loss"])
+      history.append({"step": s, "nll": nll, "nll_plain": float(m["epa_loss"]),
+                      "nll_corrections": float(m["ecc_loss"])})
       if hasattr(rng_iter, "set_postfix"):
-        rng_iter.set_postfix(nll=f"{float(m['epa_loss']):.3f}", refresh=False)
+        rng_iter.set_postfix(nll=f"{nll:.3f}", refresh=False)
   return state.params, history
 
 

@@ -129,6 +129,8 @@ class RLTrainer:
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       save_every=config.train.checkpoint_every,
                                       keep=config.train.keep_checkpoints)
+    self._replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    self.state_shardings = None  # set by init_state
     self._update = None
     self._logprob_fn = None
     self.ref_params = None
@@ -147,9 +149,17 @@ class RLTrainer:
     else:  # a copy: the update step donates the state, the caller keeps its params
       params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(params)
     opt_state = jax.jit(lambda p: update_lib.init_opt_state(self.optimizer, p, cfg.optim))(params)
-    rng = jax.random.key_data(jax.random.key(cfg.seed + 1))
-    state = update_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                  opt_state=opt_state, rng=rng)
+    # the optimizer's scalars (step counts) onto the mesh too, as the update returns them
+    named = jax.sharding.NamedSharding
+    opt_state = jax.jit(lambda o: o, out_shardings=jax.tree.map(
+        lambda a: a.sharding if isinstance(a.sharding, named) else self._replicated, opt_state))(opt_state)
+    # step and PRNG replicated on the mesh: with the update's out_shardings equal to
+    # these, step 2 sees the same input shardings as step 1 and compiles nothing
+    step, rng = jax.jit(lambda: (jnp.zeros((), jnp.int32),
+                                 jax.random.key_data(jax.random.key(cfg.seed + 1))),
+                        out_shardings=self._replicated)()
+    state = update_lib.TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
+    self.state_shardings = jax.tree.map(lambda a: a.sharding, state)
     if cfg.rl.kl_beta > 0:
       self.ref_params = jax.tree.map(jnp.copy, params)
     if cfg.rl.gfpo_adaptive:
@@ -200,7 +210,8 @@ class RLTrainer:
     if self._update is None:
       fn = update_lib.make_update_step(self.model_cfg, self.optimizer, self.loss_cfg,
                                        skip_nonfinite=self.config.rl.skip_nonfinite)
-      self._update = jax.jit(fn, donate_argnums=(0,))
+      self._update = jax.jit(fn, donate_argnums=(0,),
+                             out_shardings=(self.state_shardings, self._replicated))
     return self._update
 
   def logprob_fn(self):
@@ -430,7 +441,11 @@ class RLTrainer:
     rl = self.config.rl
     weights = jnp.asarray(self.objective_weights(step))
     mets = []
-    for _ in range(max(rl.ppo_epochs, 1)):
+    for epoch in range(max(rl.ppo_epochs, 1)):
+      if rl.mini_batches > 1:  # rows in a fresh order per epoch, so each mini-batch mixes
+        # on- and off-policy rows and padding instead of taking them in assembly order
+        perm_rng = np.random.default_rng([self.config.seed, step, epoch])
+        epa, ecc = (batch_lib.take_rows(b, perm_rng.permutation(b.num_rows)) for b in (epa, ecc))
       for mb_epa, mb_ecc in zip(batch_lib.split_rows(epa, rl.mini_batches),
                                 batch_lib.split_rows(ecc, rl.mini_batches)):
         d_epa, d_ecc = self.put_batch(mb_epa), self.put_batch(mb_ecc)
