@@ -17,11 +17,15 @@ How a call runs
   ``P``; the batch is padded with dummy rows (dropped on output) to the smallest
   batch bucket ``B`` (more prompts than the largest bucket run in chunks).
 * Device, one jitted program per (model config, B, P, n, sampling options,
-  mesh): prefill of the ``B`` prompts into a preallocated cache of
-  ``S = P + max_new_tokens - 1`` slots, then the cache and the last logits are
-  repeated ``n`` times on the batch axis (the prompt is prefilled once per group,
-  not n times), then a ``lax.while_loop`` decodes one token per iteration with no
-  host round trip and stops as soon as every row has emitted a stop token.
+  mesh): prefill of the ``B`` prompts into a preallocated cache, then the cache
+  and the last logits are repeated ``n`` times on the batch axis (the prompt is
+  prefilled once per group, not n times), then ``lax.while_loop``\ s decode one
+  token per iteration with no host round trip and stop as soon as every row has
+  emitted a stop token. The decode runs in up to ``decode_phases`` consecutive
+  loops (:func:`decode_phase_lengths`): each runs over a cache just long enough
+  for the slots filled by its end, growing (one pad copy) between phases up to
+  ``S = P + max_new_tokens - 1`` slots, so attention reads about the filled part
+  of the cache rather than all S slots at every step.
   The KV cache, the per-row outputs and the loop state live in the loop carry and
   are updated in place (``dynamic_update_slice``); the per-call input buffers
   (prompt tokens and mask) are donated. Temperature and top-p are runtime

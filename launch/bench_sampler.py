@@ -117,15 +117,21 @@ def read_bandwidth_gbs(repeats: int) -> float:
   return 10 * x.size * 4 / t / 1e9
 
 
-def decode_bytes(batch: int, prompt_len: int, new_tokens: int) -> float:
-  """Bytes a float32 decode step streams (all weights + the whole preallocated cache),
-  summed over the decode steps."""
+def decode_bytes(batch: int, prompt_len: int, new_tokens: int,
+                 phases: int = sampling.SamplingConfig.decode_phases) -> float:
+  """Bytes the float32 decode steps stream, summed over the steps: all weights plus
+  the KV cache of the step's decode phase (its length from
+  ``sampling.decode_phase_lengths``; the whole preallocated cache with phases=1)."""
   d, f, v, l = MODEL["hidden_size"], MODEL["intermediate_size"], MODEL["vocab_size"], \
       MODEL["num_hidden_layers"]
   h, k, dh = MODEL["num_attention_heads"], MODEL["num_key_value_heads"], MODEL["head_dim"]
   weights = l * (d * (h + 2 * k) * dh + h * dh * d + 3 * d * f) + d * v
-  cache = 2 * l * batch * k * dh * (prompt_len + new_tokens - 1)
-  return 4.0 * (weights + cache) * (new_tokens - 1)
+  lens = sampling.decode_phase_lengths(prompt_len, new_tokens, phases)
+  total = 0.0
+  for i in range(1, new_tokens):  # step i writes slot prompt_len + i - 1
+    slots = next(n for n in lens if prompt_len + i - 1 < n)
+    total += weights + 2 * l * batch * k * dh * slots
+  return 4.0 * total
 
 
 def decode_flops(batch: int, prompt_len: int, new_tokens: int) -> float:
@@ -223,8 +229,10 @@ def main(argv=None):
         f"measured now: {peak['2048^3']:.1f} GFLOP/s (2048^3), "
         f"{peak['16x256x1536']:.1f} GFLOP/s at the decode shape 16x256x1536")
   bw = read_bandwidth_gbs(args.repeats)
+  lens = sampling.decode_phase_lengths(p, r, sampling.SamplingConfig.decode_phases)
   print(f"ours  greedy  streams {decode_bytes(b, p, r) / t_short / 1e9:.1f} GB/s of weights + "
-        f"KV cache; read bandwidth measured now: {bw:.1f} GB/s (the bound at this batch size)")
+        f"KV cache (decode phases over cache lengths {lens}); read bandwidth measured now: "
+        f"{bw:.1f} GB/s")
 
   if args.bf16:
     cfg16 = dataclasses.replace(cfg, param_dtype="bfloat16", compute_dtype="bfloat16")
