@@ -19,7 +19,7 @@ How a call runs
 * Device, one jitted program per (model config, B, P, n, sampling options,
   mesh): prefill of the ``B`` prompts into a preallocated cache, then the cache
   and the last logits are repeated ``n`` times on the batch axis (the prompt is
-  prefilled once per group, not n times), then ``lax.while_loop``\ s decode one
+  prefilled once per group, not n times), then while loops decode one
   token per iteration with no host round trip and stop as soon as every row has
   emitted a stop token. The decode runs in up to ``decode_phases`` consecutive
   loops (:func:`decode_phase_lengths`): each runs over a cache just long enough
