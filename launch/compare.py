@@ -95,7 +95,8 @@ def run_one(label, name, arg, seed, sft_params, budget, eval_every, workdir, qui
   evals = tr.env.eval_examples()
   used, step = 0, 0
   rows = []
-  ev = tr.evaluate(state.params, evals, step=0)
+  k = c.train.eval_k  # greedy pass@1, plus pass@1 at T=1 over k samples (lower variance)
+  ev = tr.evaluate(state.params, evals, k=k, step=0)
   rows.append({"step": 0, "rollouts": 0, **ev})
   t0 = time.perf_counter()
   while used < budget:
@@ -105,7 +106,7 @@ def run_one(label, name, arg, seed, sft_params, budget, eval_every, workdir, qui
     row = {"step": step, "rollouts": used,
            **{k: v for k, v in m.items() if isinstance(v, (int, float))}}
     if step % eval_every == 0 or used >= budget:
-      row.update(tr.evaluate(state.params, evals, step=step))
+      row.update(tr.evaluate(state.params, evals, k=k, step=step))
     rows.append(row)
   tr.close()
   return {"label": label, "seed": seed, "rows": rows, "seconds": time.perf_counter() - t0}
@@ -141,6 +142,7 @@ def summarize(results, sft_len):
   table = {}
   for l, runs in by.items():
     fin = [_final(r["rows"], "eval/accuracy") for r in runs]
+    fin_s = [_final(r["rows"], "eval/pass@1_sampled") for r in runs]
     reach = [rollouts_to_reach(r["rows"], base_final) for r in runs]
     base_reach = [rollouts_to_reach(r["rows"], base_final) for r in by[base]]
     ent = [_mean_over(r["rows"], "policy/entropy") for r in runs]
@@ -156,7 +158,7 @@ def summarize(results, sft_len):
         and not np.all(np.isnan(reach)) else float("nan")
     stat = lambda xs: {"mean": float(np.nanmean(xs)) if not np.all(np.isnan(xs)) else float("nan"),
                        "std": float(np.nanstd(xs)) if not np.all(np.isnan(xs)) else float("nan")}
-    table[l] = {"final_accuracy": stat(fin), "rollouts_to_grpo_final": stat(reach),
+    table[l] = {"final_accuracy": stat(fin), "final_sampled_accuracy": stat(fin_s), "rollouts_to_grpo_final": stat(reach),
                 "sample_efficiency_vs_grpo": ratio, "entropy": stat(ent), "grad_norm": stat(gn),
                 "response_length": stat(ln), "all_equal_groups": stat(zero),
                 "fix_rate": stat(fix), "injected_per_step": stat(inj),
@@ -167,13 +169,14 @@ def summarize(results, sft_len):
 
 def markdown(table):
   f = lambda s, p=3: ("n/a" if not np.isfinite(s["mean"]) else f"{s['mean']:.{p}f} ± {s['std']:.{p}f}")
-  lines = ["| run | final acc | rollouts to GRPO's final acc | sample eff. vs GRPO | entropy | grad norm | length | ELR | fix rate | all-equal groups |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| run | final acc (greedy) | final acc (T=1) | rollouts to GRPO's final acc | sample eff. vs GRPO | entropy | grad norm | length | ELR | fix rate | all-equal groups |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   for l, t in table.items():
     eff = t["sample_efficiency_vs_grpo"]
     elr = t["excess_length_reduction"]
     lines.append(
-        f"| {l} | {f(t['final_accuracy'])} | {f(t['rollouts_to_grpo_final'], 0)} "
+        f"| {l} | {f(t['final_accuracy'])} | {f(t['final_sampled_accuracy'])} "
+        f"| {f(t['rollouts_to_grpo_final'], 0)} "
         f"({t['reached_grpo_final']}/{t['seeds']}) | {'n/a' if not np.isfinite(eff) else f'{eff:.2f}x'} "
         f"| {f(t['entropy'])} | {f(t['grad_norm'])} | {f(t['response_length'], 2)} "
         f"| {'n/a' if not np.isfinite(elr) else f'{100 * elr:.0f}%'} | {f(t['fix_rate'])} "
@@ -186,12 +189,14 @@ def plot(results, out_png):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   panels = [("rollouts", "eval/accuracy", "held-out accuracy vs rollouts"),
+            ("rollouts", "eval/pass@1_sampled", "held-out accuracy (T=1, mean of k) vs rollouts"),
             ("step", "eval/accuracy", "held-out accuracy vs update steps"),
+            ("rollouts", "reward/round1", "training reward (round 1)"),
             ("rollouts", "policy/entropy", "policy entropy"),
             ("rollouts", "policy/grad_norm", "gradient norm"),
             ("rollouts", "response/length", "response length"),
             ("rollouts", "groups/all_equal_frac", "all-equal (zero-signal) groups")]
-  fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+  fig, axes = plt.subplots(2, 4, figsize=(20, 8))
   labels = list(dict.fromkeys(r["label"] for r in results))
   colors = {l: f"C{i}" for i, l in enumerate(labels)}
   for ax, (x, y, title) in zip(axes.flat, panels):
@@ -204,7 +209,7 @@ def plot(results, out_png):
           ax.plot(xs, ys, color=colors[l], alpha=0.35 if len(runs) > 1 else 1.0,
                   label=l if i == 0 else None)
       # mean curve over seeds (on the first seed's x grid for eval curves)
-      if len(runs) > 1 and y == "eval/accuracy":
+      if len(runs) > 1 and y.startswith("eval/"):
         grids = [[row[y] for row in r["rows"] if y in row] for r in runs]
         n = min(len(g) for g in grids)
         xs = [row[x] for row in runs[0]["rows"] if y in row][:n]
@@ -235,8 +240,9 @@ def main(argv):
   tr0 = RLTrainer(base_cfg, os.path.join(FLAGS.workdir, "warm_start"))
   sft_params, cached = sft_lib.warm_start(base_cfg, tr0.env, tr0.init_state().params, mesh=tr0.mesh,
                                           cache_dir=os.path.join(FLAGS.workdir, "sft"))
-  sft_eval = tr0.evaluate(sft_params, tr0.env.eval_examples())
-  print(f"warm start: held-out accuracy {sft_eval['eval/accuracy']:.3f}, "
+  sft_eval = tr0.evaluate(sft_params, tr0.env.eval_examples(), k=base_cfg.train.eval_k)
+  print(f"warm start: held-out accuracy {sft_eval['eval/accuracy']:.3f} (greedy), "
+        f"{sft_eval.get('eval/pass@1_sampled', float('nan')):.3f} (T=1), "
         f"length {sft_eval['eval/length']:.2f} ({'cached' if cached else 'trained'})", flush=True)
   tr0.close()
   budget = FLAGS.budget or (64 if FLAGS.quick else 128 * base_cfg.train.steps)

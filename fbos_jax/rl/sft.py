@@ -94,7 +94,10 @@ def sft_batch(env, prompts, responses, prompt_len: int, response_len: int,
 
 
 def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progress: bool = True):
-  """Run ``sft.steps`` MLE steps from ``params``; returns (params, metrics list)."""
+  """Run ``sft.steps`` MLE steps from ``params``; returns (params, metrics list).
+
+  ``params`` is donated to the first step (no second copy of a large model), so
+  the caller must not use it afterwards; pass a copy to keep it."""
   from fbos_jax import sharding as sh
   model_cfg = qwen.ModelConfig.from_dict(config.model)
   steps = config.sft.steps if steps is None else steps
@@ -121,7 +124,9 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   plain_rows = batch_lib.bucket_rows(max(config.sft.batch_size - n_corr, 1), shards)
   corr_rows = batch_lib.bucket_rows(max(n_corr, 1), shards)
   p_buckets = sorted(set(config.sampling.prompt_buckets) | set(config.sampling.fap_prompt_buckets))
-  f_buckets = sorted(config.sampling.fap_prompt_buckets)
+  f_buckets = sorted(b for b in config.sampling.fap_prompt_buckets
+                     if b <= max(config.templates.max_prompt_tokens, 1)) or \
+      sorted(config.sampling.fap_prompt_buckets)[:1]
   pick = lambda seqs, bs: next((b for b in bs if b >= max(map(len, seqs), default=1)), bs[-1])
   put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh), b)
   empty = put(batch_lib.empty_policy_batch(8, r_len, corr_rows))
@@ -137,7 +142,9 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
         env, next(it), conditional=config.sft.conditional, rng=rng,
         positive_feedback=config.rl.fcp_positive_feedback, num_corrections=n_corr)
     b = put(sft_batch(env, pp, pr, pick(pp, p_buckets), r_len, plain_rows))
-    c = put(sft_batch(env, cp, cr, pick(cp, f_buckets), r_len, corr_rows)) if cp else empty
+    # corrections always take the largest FAP bucket: one program for the whole run
+    # (their lengths straddle the smaller buckets, and a compile costs more here)
+    c = put(sft_batch(env, cp, cr, f_buckets[-1], r_len, corr_rows)) if cp else empty
     state, m = step_fn(state, b, c, weights)
     if s % 20 == 0 or s == steps - 1:
       m = jax.device_get(m)
