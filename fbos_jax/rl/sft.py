@@ -137,6 +137,7 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   if progress and jax.process_index() == 0:
     from tqdm.auto import tqdm
     rng_iter = tqdm(rng_iter, desc="SFT warm start", dynamic_ncols=True)
+  prev = None
   for s in rng_iter:
     (pp, pr), (cp, cr) = demonstration_rows(
         env, next(it), conditional=config.sft.conditional, rng=rng,
@@ -146,14 +147,25 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
     # (their lengths straddle the smaller buckets, and a compile costs more here)
     c = put(sft_batch(env, cp, cr, f_buckets[-1], r_len, corr_rows)) if cp else empty
     state, m = step_fn(state, b, c, weights)
-    if s % 20 == 0 or s == steps - 1:
-      m = jax.device_get(m)
-      nll = float(weights[0] * m["epa_loss"] + weights[1] * m["ecc_loss"])
-      history.append({"step": s, "nll": nll, "nll_plain": float(m["epa_loss"]),
-                      "nll_corrections": float(m["ecc_loss"])})
-      if hasattr(rng_iter, "set_postfix"):
-        rng_iter.set_postfix(nll=f"{nll:.3f}", refresh=False)
+    # wait for the previous step only, so the bar shows real progress while the
+    # host still builds the next batch during this one (async dispatch)
+    if prev is not None:
+      jax.block_until_ready(prev[1])
+      if prev[0] % 20 == 0:
+        _record(history, rng_iter, weights, *prev)
+    prev = (s, m)
+  if prev is not None:
+    _record(history, rng_iter, weights, *prev)
   return state.params, history
+
+
+def _record(history, bar, weights, s, m):
+  m = jax.device_get(m)
+  nll = float(weights[0] * m["epa_loss"] + weights[1] * m["ecc_loss"])
+  history.append({"step": s, "nll": nll, "nll_plain": float(m["epa_loss"]),
+                  "nll_corrections": float(m["ecc_loss"])})
+  if hasattr(bar, "set_postfix"):
+    bar.set_postfix(nll=f"{nll:.3f}", refresh=False)
 
 
 def warm_start(config, env, params, *, mesh, cache_dir: str):

@@ -536,6 +536,7 @@ class RLTrainer:
       history.append(dict(em, step=0))
       logging.info("step 0 eval: %s", _fmt(em))
     bar = _progress(range(start, steps), cfg.train.progress, desc=f"{cfg.algo} RL")
+    last_acc = history[0].get("eval/accuracy", float("nan")) if history else float("nan")
     for step in bar:
       state, m = self.train_step(state, step)
       s = step + 1
@@ -544,8 +545,8 @@ class RLTrainer:
       self.metrics.write(s, m)
       history.append(dict(m, step=s))
       if hasattr(bar, "set_postfix"):
-        bar.set_postfix(r1=f"{m['reward/round1']:.2f}", acc=f"{m.get('eval/accuracy', float('nan')):.2f}",
-                        refresh=False)
+        last_acc = m.get("eval/accuracy", last_acc)
+        bar.set_postfix(r1=f"{m['reward/round1']:.2f}", acc=f"{last_acc:.2f}", refresh=False)
       if s % cfg.train.log_every == 0:
         logging.info("step %d: %s", s, _fmt(m))
       self.ckpt_maybe(state, s, steps)
