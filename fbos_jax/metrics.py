@@ -74,8 +74,9 @@ def truncate_jsonl(path: str, max_step: int):
       f.write(json.dumps(r) + "\n")
 
 
+# one panel per entry; "a|b" overlays metrics a and b in one panel
 DEFAULT_PLOT_KEYS = (
-    "eval/accuracy", "reward/round1", "reward/round2", "feedback/fix_rate",
+    "eval/accuracy|eval/pass@1_sampled", "reward/round1", "reward/round2", "feedback/fix_rate",
     "loss/epa", "loss/ecc", "policy/entropy", "policy/grad_norm",
     "response/length", "epa/injected", "groups/all_equal_frac", "time/step_s",
 )
@@ -88,18 +89,29 @@ def plot_metrics(rows: list[dict], out_png: str, keys: Iterable[str] = DEFAULT_P
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  keys = [k for k in keys if any(k in r for r in rows)]
+  keys = [k for k in keys if any(m in r for m in k.split("|") for r in rows)]
   if not keys:
     raise ValueError(f"none of the metrics to plot are in the log ({out_png})")
   cols = 3
   nrows = -(-len(keys) // cols)
   fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 2.8 * nrows), squeeze=False)
-  for ax, k in zip(axes.flat, keys):
-    pts = [(r["step"], r[k]) for r in rows if k in r and isinstance(r[k], (int, float))]
-    if pts:
+  for ax, panel in zip(axes.flat, keys):
+    names = panel.split("|")
+    for i, k in enumerate(names):
+      pts = [(r["step"], r[k]) for r in rows if k in r and isinstance(r[k], (int, float))]
+      if not pts:
+        continue
       xs, ys = zip(*pts)
-      ax.plot(xs, ys, marker="." if len(xs) < 40 else None)
-    ax.set_title(k, fontsize=9)
+      noisy = len(xs) >= 20  # per-step curves: faint raw line + 10-step moving average
+      ax.plot(xs, ys, color=f"C{i}", alpha=0.35 if noisy else 1.0,
+              marker=None if noisy else ".", label=k if len(names) > 1 else None)
+      if noisy:
+        w = 10
+        avg = np.convolve(ys, np.ones(w) / w, mode="valid")
+        ax.plot(xs[w - 1:], avg, color=f"C{i}", lw=2)
+    if len(names) > 1:
+      ax.legend(fontsize=7)
+    ax.set_title(" | ".join(names), fontsize=9)
     ax.set_xlabel("step", fontsize=8)
     ax.grid(alpha=0.3)
   for ax in list(axes.flat)[len(keys):]:
