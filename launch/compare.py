@@ -29,6 +29,8 @@ flags.DEFINE_bool("quick", False, "Tiny budget and model for a smoke test: check
                   "not the results.")
 flags.DEFINE_bool("ablations", False, "Run FBOS ablations (EPA only / ECC only / both, f(u) "
                   "denominator one vs behaviour, FAP single vs aggregated) instead of --algos.")
+flags.DEFINE_bool("resummarize", False, "Rebuild compare.md / compare.png / the table in "
+                  "compare.json from the runs already in WORKDIR/compare.json (no training).")
 flags.DEFINE_string("task", "", "Override data.task (e.g. arithmetic).")
 flags.DEFINE_multi_string("set", [], "Extra overrides for every run, e.g. --set=rl.w_ecc=0.5")
 FLAGS = flags.FLAGS
@@ -133,16 +135,28 @@ def rollouts_to_reach(rows, target):
   return float(pts[0][0]) if pts and pts[0][1] >= target else float("nan")
 
 
-def summarize(results, sft_len):
+def mean_accuracy_over_budget(rows, budget, key="eval/accuracy"):
+  """Area under the accuracy-vs-rollouts curve / budget: how fast a run learns."""
+  pts = [(r["rollouts"], r[key]) for r in rows if key in r]
+  if not pts:
+    return float("nan")
+  xs, ys = zip(*pts)
+  grid = np.linspace(0, budget, 101)
+  return float(np.mean(np.interp(grid, xs, ys)))
+
+
+def summarize(results, sft_len, budget=None):
   labels = list(dict.fromkeys(r["label"] for r in results))
   by = {l: [r for r in results if r["label"] == l] for l in labels}
-  base = "grpo" if "grpo" in by else labels[0]
+  base = next((b for b in ("grpo", "fbos") if b in by), labels[0])  # the reference run
   base_final = float(np.mean([_final(r["rows"], "eval/accuracy") for r in by[base]]))
   base_len = float(np.mean([_mean_over(r["rows"], "response/length") for r in by[base]]))
   table = {}
   for l, runs in by.items():
     fin = [_final(r["rows"], "eval/accuracy") for r in runs]
     fin_s = [_final(r["rows"], "eval/pass@1_sampled") for r in runs]
+    b = budget or max(r["rows"][-1]["rollouts"] for r in runs)
+    auc = [mean_accuracy_over_budget(r["rows"], b) for r in runs]
     reach = [rollouts_to_reach(r["rows"], base_final) for r in runs]
     base_reach = [rollouts_to_reach(r["rows"], base_final) for r in by[base]]
     ent = [_mean_over(r["rows"], "policy/entropy") for r in runs]
@@ -158,24 +172,29 @@ def summarize(results, sft_len):
         and not np.all(np.isnan(reach)) else float("nan")
     stat = lambda xs: {"mean": float(np.nanmean(xs)) if not np.all(np.isnan(xs)) else float("nan"),
                        "std": float(np.nanstd(xs)) if not np.all(np.isnan(xs)) else float("nan")}
-    table[l] = {"final_accuracy": stat(fin), "final_sampled_accuracy": stat(fin_s), "rollouts_to_grpo_final": stat(reach),
+    table[l] = {"final_accuracy": stat(fin), "final_sampled_accuracy": stat(fin_s),
+                "mean_accuracy_over_budget": stat(auc), "rollouts_to_grpo_final": stat(reach),
                 "sample_efficiency_vs_grpo": ratio, "entropy": stat(ent), "grad_norm": stat(gn),
                 "response_length": stat(ln), "all_equal_groups": stat(zero),
                 "fix_rate": stat(fix), "injected_per_step": stat(inj),
                 "excess_length_reduction": elr,
-                "reached_grpo_final": int(np.sum(~np.isnan(reach))), "seeds": len(runs)}
+                "reached_grpo_final": int(np.sum(~np.isnan(reach))), "seeds": len(runs),
+                "reference": base}
   return table
 
 
 def markdown(table):
   f = lambda s, p=3: ("n/a" if not np.isfinite(s["mean"]) else f"{s['mean']:.{p}f} ± {s['std']:.{p}f}")
-  lines = ["| run | final acc (greedy) | final acc (T=1) | rollouts to GRPO's final acc | sample eff. vs GRPO | entropy | grad norm | length | ELR | fix rate | all-equal groups |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  ref = next(iter(table.values()))["reference"] if table else "grpo"
+  ref = "GRPO" if ref == "grpo" else ref
+  lines = [f"| run | final acc (greedy) | final acc (T=1) | mean acc over budget | rollouts to {ref}'s final acc | sample eff. vs {ref} | entropy | grad norm | length | ELR | fix rate | all-equal groups |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for l, t in table.items():
     eff = t["sample_efficiency_vs_grpo"]
     elr = t["excess_length_reduction"]
     lines.append(
         f"| {l} | {f(t['final_accuracy'])} | {f(t['final_sampled_accuracy'])} "
+        f"| {f(t['mean_accuracy_over_budget'])} "
         f"| {f(t['rollouts_to_grpo_final'], 0)} "
         f"({t['reached_grpo_final']}/{t['seeds']}) | {'n/a' if not np.isfinite(eff) else f'{eff:.2f}x'} "
         f"| {f(t['entropy'])} | {f(t['grad_norm'])} | {f(t['response_length'], 2)} "
@@ -231,6 +250,12 @@ def main(argv):
   from fbos_jax.rl.trainer import RLTrainer
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required")
+  if FLAGS.resummarize:
+    with open(os.path.join(FLAGS.workdir, "compare.json")) as f:
+      data = json.load(f)
+    write_outputs(data["runs"], data["warm_start"], data["budget_rollouts"], data["seeds"],
+                  data["wall_seconds"])
+    return
   t_start = time.perf_counter()
   os.makedirs(FLAGS.workdir, exist_ok=True)
   runs = ([(l, n, a) for l, (n, a) in ABLATIONS.items()] if FLAGS.ablations
@@ -257,8 +282,12 @@ def main(argv):
     results.append(res)
     logging.info("%s seed %d: final acc %.3f in %.0fs", label, seed,
                  _final(res["rows"], "eval/accuracy"), res["seconds"])
-  table = summarize(results, sft_eval["eval/length"])
-  wall = time.perf_counter() - t_start
+  write_outputs(results, sft_eval, budget, seeds, time.perf_counter() - t_start)
+
+
+def write_outputs(results, sft_eval, budget, seeds, wall):
+  """compare.json (all numbers), compare.md (the table) and compare.png."""
+  table = summarize(results, sft_eval["eval/length"], budget)
   out = {"budget_rollouts": budget, "seeds": seeds, "warm_start": sft_eval, "wall_seconds": wall,
          "table": table, "runs": results}
   with open(os.path.join(FLAGS.workdir, "compare.json"), "w") as f:
@@ -266,7 +295,9 @@ def main(argv):
   md = markdown(table)
   with open(os.path.join(FLAGS.workdir, "compare.md"), "w") as f:
     f.write(f"Budget: {budget} generated rollouts per run, {seeds} seed(s), warm start accuracy "
-            f"{sft_eval['eval/accuracy']:.3f}; wall time {wall / 60:.1f} min.\n\n{md}\n")
+            f"{sft_eval['eval/accuracy']:.3f} (greedy), "
+            f"{sft_eval.get('eval/pass@1_sampled', float('nan')):.3f} (T=1); "
+            f"wall time {wall / 60:.1f} min.\n\n{md}\n")
   plot(results, os.path.join(FLAGS.workdir, "compare.png"))
   print(md)
   print(f"wall time: {wall / 60:.1f} min; files in {FLAGS.workdir}")
