@@ -43,12 +43,16 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
     start_acc = trainer.evaluate(state.params, evals, k=config.train.eval_k, step=0)
     _print(f"held-out accuracy at RL start: {_acc_line(start_acc)} ({len(evals)} prompts)")
   t0 = time.perf_counter()
-  state, history = trainer.train(state, eval_examples=evals)
+  state, history = trainer.train(state, eval_examples=evals, initial_eval=start_acc)
   rl_s = time.perf_counter() - t0
   summary = {"algo": config.algo, "rl_steps": int(state.step), "rl_seconds": rl_s,
              "total_seconds": time.perf_counter() - t_start}
   if evals:
-    end = trainer.evaluate(state.params, evals, k=config.train.eval_k, step=int(state.step))
+    last = history[-1] if history else {}
+    # the loop already evaluated its last step (eval_every > 0); reuse that
+    end = ({k: v for k, v in last.items() if k.startswith("eval/")}
+           if last.get("step") == int(state.step) and "eval/accuracy" in last else
+           trainer.evaluate(state.params, evals, k=config.train.eval_k, step=int(state.step)))
     summary["eval_start"] = start_acc["eval/accuracy"] if start_acc else None
     summary["eval_end"] = end["eval/accuracy"]
     for k in ("eval/pass@1_sampled", f"eval/pass@{config.train.eval_k}"):

@@ -519,7 +519,9 @@ class RLTrainer:
     return state, m
 
   def train(self, state=None, *, steps: Optional[int] = None, eval_examples=None,
-            on_step: Optional[Callable] = None):
+            on_step: Optional[Callable] = None, initial_eval: Optional[dict] = None):
+    """Train to ``steps``. ``initial_eval``: the step-0 evaluate() result if the
+    caller already has it (it is logged instead of evaluating again)."""
     cfg = self.config
     if state is None:
       state = self.init_state()
@@ -531,7 +533,7 @@ class RLTrainer:
     eval_examples = eval_examples if eval_examples is not None else self.env.eval_examples()
     history = []
     if start == 0 and cfg.train.eval_every > 0 and eval_examples:
-      em = self.evaluate(state.params, eval_examples, k=cfg.train.eval_k, step=0)
+      em = initial_eval or self.evaluate(state.params, eval_examples, k=cfg.train.eval_k, step=0)
       self.metrics.write(0, em)
       history.append(dict(em, step=0))
       logging.info("step 0 eval: %s", _fmt(em))
