@@ -169,6 +169,7 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.sft.batch_size = 64
   c.sft.learning_rate = 1e-3
   c.sft.warmup_steps = 20
+  c.sft.schedule = "cosine"  # cosine (to 0.1 x lr) | constant
   c.sft.fap_fraction = 0.0  # share of correction demos on FAPs (teaches the FAP format)
   c.sft.conditional = False  # FCP offline stage: train on <EF>c</EF>q -> o (c = feedback)
   return c
@@ -178,11 +179,14 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
   """Run-size defaults per variant (tiny = this 2-core CPU, minutes)."""
   if c.variant == "tiny":
     c.data.source = "procedural"
-    c.data.task = "arithmetic"  # "12+45=" -> "57"; feedback names the wrong digits
-    # digits per operand, drawn from [1, 2]: after the warm start about a third of
-    # problems are solved and half of the groups have mixed rewards (RL has signal)
-    c.data.difficulty = 1
-    c.data.max_difficulty = 2
+    c.data.task = "sort"  # "sort 4701=" -> "0147"; feedback names misplaced/missing items
+    # lists of 4-10 digits: a shared skill (not 100 memorised facts, like 1-digit sums)
+    # with a held-out split of distinct problems at every length. After the warm start
+    # the greedy answer is right on 56-73% of them but a T=1 sample only on 26-33%,
+    # so most groups have mixed rewards and RL has a policy to sharpen. (2-digit sums
+    # need a carry algorithm this model does not learn in minutes; RL cannot find it.)
+    c.data.difficulty = 4
+    c.data.max_difficulty = 10
     c.sampling.max_new_tokens = 12
     c.sampling.prompt_buckets = (16, 32)
     c.sampling.fap_prompt_buckets = (64, 128)
@@ -201,13 +205,13 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
     c.optim.schedule = "cosine"
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
-    c.train.steps = 60
+    c.train.steps = 100  # the T=1 accuracy still climbs at 60 (issue 5 note)
     c.train.eval_every = 10
     c.train.eval_prompts = 256  # standard error of one greedy eval about 0.03
     c.train.eval_k = 4  # also pass@1 at temperature 1 (mean of 4) and pass@4
     c.train.checkpoint_every = 10
     c.train.warm_start = "sft"
-    c.sft.steps = 300
+    c.sft.steps = 100  # partial competence: the model sorts short lists, not long ones
     c.sft.batch_size = 64
     c.sft.learning_rate = 2e-3
     c.sft.fap_fraction = 0.25  # the same warm start serves every algorithm

@@ -1,9 +1,11 @@
 """SFT warm start: verified demonstrations, FAP corrections in their own slot, caching."""
 
+import os
 import random
 
 import jax
 import numpy as np
+import pytest
 
 from test_trainer import one_device_mesh, small
 
@@ -51,4 +53,9 @@ def test_sft_lowers_both_nlls_and_is_cached(tmp_path):
   assert (cached1, cached2) == (False, True)
   for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # a cache trained under other SFT settings is not silently reused
+  c.sft.steps += 1
+  with pytest.raises(ValueError, match=r"(?s)different config.*sft\.steps: cached"):
+    sft.warm_start(c, tr.env, params, mesh=tr.mesh, cache_dir=str(tmp_path / "sft"))
+  assert os.path.exists(tmp_path / "sft" / "params")  # nothing deleted
   tr.close()

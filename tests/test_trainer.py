@@ -34,6 +34,10 @@ def small(spec, **over):
   c.model.intermediate_size = 128
   c.model.num_heads = 2
   c.model.num_kv_heads = 1
+  # 1-2 digit sums: answers fit the 6 new tokens above and feedback names digits
+  # (the tiny default task, sorting 4-10 digits, runs in test_default_task_runs)
+  c.data.task = "arithmetic"
+  c.data.difficulty, c.data.max_difficulty = 1, 2
   for k, v in over.items():
     obj = c
     *path, last = k.split(".")
@@ -68,6 +72,23 @@ def test_every_config_runs_two_steps(spec, tmp_path):
   if c.rl.round2:
     assert "reward/round2" in rows[-1] and "epa/injected" in rows[-1]
   assert tr.ckpt.latest_step() == 2
+
+
+def test_default_task_runs(tmp_path):
+  """Two FBOS steps on the tiny variant's own task and answer budget, with a
+  held-out eval of distinct problems reported per difficulty."""
+  c = small("configs/fbos.py:tiny", **{"train.eval_every": 2, "train.eval_prompts": 16})
+  d = load("configs/fbos.py:tiny")
+  c.data, c.sampling.max_new_tokens = d.data, d.sampling.max_new_tokens
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
+  evals = tr.env.eval_examples()
+  assert len({ex["prompt"] for ex in evals}) == len(evals) == 16
+  assert all(ex["task"] == d.data.task for ex in evals)
+  state, hist = tr.train()
+  tr.close()
+  assert int(state.step) == 2
+  levels = {k for k in hist[-1] if k.startswith("eval/accuracy_d")}
+  assert levels == {f"eval/accuracy_d{ex['difficulty']}" for ex in evals}
 
 
 def test_decoupled_and_staleness_run(tmp_path):

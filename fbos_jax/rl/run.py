@@ -55,7 +55,8 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
            trainer.evaluate(state.params, evals, k=config.train.eval_k, step=int(state.step)))
     summary["eval_start"] = start_acc["eval/accuracy"] if start_acc else None
     summary["eval_end"] = end["eval/accuracy"]
-    for k in ("eval/pass@1_sampled", f"eval/pass@{config.train.eval_k}"):
+    for k in ("eval/pass@1_sampled", f"eval/pass@{config.train.eval_k}",
+              *sorted(k for k in end if k.startswith("eval/accuracy_d"))):
       if k in end:
         summary[f"{k.split('/')[1]}_start"] = start_acc.get(k) if start_acc else None
         summary[f"{k.split('/')[1]}_end"] = end[k]
@@ -100,7 +101,10 @@ def _acc_line(e: dict) -> str:
     parts.append(f"sampled (T=1) {e['eval/pass@1_sampled']:.3f}")
   parts += [f"{k.split('/')[1]} {v:.3f}" for k, v in e.items()
             if k.startswith("eval/pass@") and not k.endswith("_sampled")]
-  return ", ".join(parts)
+  levels = [f"d{k.rsplit('_d', 1)[1]} {v:.3f}" for k, v in e.items()
+            if k.startswith("eval/accuracy_d")]
+  line = ", ".join(parts)
+  return f"{line} (greedy by difficulty: {', '.join(levels)})" if levels else line
 
 
 def _print(msg: str):

@@ -8,6 +8,7 @@ c, and the context is ``<EF>c</EF>q``: the model learns p(o | q, c).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from typing import Optional
@@ -104,7 +105,7 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   optim = mlc.ConfigDict(config.optim.to_dict())
   optim.learning_rate = config.sft.learning_rate
   optim.warmup_steps = config.sft.warmup_steps
-  optim.schedule = "cosine"
+  optim.schedule = config.sft.schedule
   opt = update_lib.make_optimizer(optim, steps)
   lc = update_lib.LossConfig(objective="mle", temperature=1.0)
   step_fn = jax.jit(update_lib.make_update_step(model_cfg, opt, lc), donate_argnums=(0,))
@@ -168,17 +169,49 @@ def _record(history, bar, weights, s, m):
     bar.set_postfix(nll=f"{nll:.3f}", refresh=False)
 
 
+def _fingerprint(config) -> dict:
+  """The config fields that decide the warm start's result (model, data, SFT recipe)."""
+  return {"seed": config.seed, "model": config.model.to_dict(), "data": {k: v for k, v in config.data.to_dict().items() if k != "read_threads"},
+          "sft": config.sft.to_dict(),
+          "max_new_tokens": config.sampling.max_new_tokens,
+          "templates": config.templates.to_dict()}
+
+
+def _diff(a, b, prefix="") -> list:
+  if isinstance(a, dict) and isinstance(b, dict):
+    return [d for k in sorted(set(a) | set(b))
+            for d in _diff(a.get(k), b.get(k), f"{prefix}{k}.")]
+  return [] if a == b else [f"{prefix[:-1]}: cached {a!r}, now {b!r}"]
+
+
 def warm_start(config, env, params, *, mesh, cache_dir: str):
-  """Train SFT once and cache it in ``cache_dir`` (reused on later runs)."""
+  """Train SFT once and cache it in ``cache_dir`` (reused on later runs).
+
+  The cache records the config fields it was trained with (``sft_config.json``);
+  reusing it under different ones (e.g. another ``--config.sft.steps``) raises
+  instead of silently starting RL from the wrong warm start."""
   ckptr = ocp.StandardCheckpointer()
   path = os.path.abspath(os.path.join(cache_dir, "params"))
+  meta = os.path.join(cache_dir, "sft_config.json")
+  want = json.loads(json.dumps(_fingerprint(config), default=list))
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           params)
   if os.path.exists(path):
+    if os.path.exists(meta):
+      with open(meta) as f:
+        diffs = _diff(json.load(f), want)
+      if diffs:
+        raise ValueError(
+            f"The cached warm start in {cache_dir} was trained with a different config:\n  "
+            + "\n  ".join(diffs) + f"\nUse a new --workdir, or delete {cache_dir} to retrain "
+            "it (the RL checkpoints in the workdir are kept either way).")
     logging.info("Warm start: reusing cached SFT params at %s", path)
     return ckptr.restore(path, abstract), True
   params, hist = train_sft(config, env, params, mesh=mesh, progress=config.train.progress)
   os.makedirs(cache_dir, exist_ok=True)
   ckptr.save(path, params)
   ckptr.wait_until_finished()
+  if jax.process_index() == 0:
+    with open(meta, "w") as f:
+      json.dump(want, f, indent=1)
   return params, False
