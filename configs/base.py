@@ -205,7 +205,7 @@ def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
     c.optim.schedule = "cosine"
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
-    c.train.steps = 100  # the T=1 accuracy still climbs at 60 (issue 5 note)
+    c.train.steps = 100  # the T=1 accuracy still climbs at 60 (README, "The tiny run")
     c.train.eval_every = 10
     c.train.eval_prompts = 256  # standard error of one greedy eval about 0.03
     c.train.eval_k = 4  # also pass@1 at temperature 1 (mean of 4) and pass@4

@@ -171,9 +171,9 @@ def _record(history, bar, weights, s, m):
 
 def _fingerprint(config) -> dict:
   """The config fields that decide the warm start's result (model, data, SFT recipe)."""
-  return {"seed": config.seed, "model": config.model.to_dict(), "data": {k: v for k, v in config.data.to_dict().items() if k != "read_threads"},
-          "sft": config.sft.to_dict(),
-          "max_new_tokens": config.sampling.max_new_tokens,
+  data = {k: v for k, v in config.data.to_dict().items() if k != "read_threads"}
+  return {"seed": config.seed, "model": config.model.to_dict(), "data": data,
+          "sft": config.sft.to_dict(), "max_new_tokens": config.sampling.max_new_tokens,
           "templates": config.templates.to_dict()}
 
 

@@ -477,9 +477,9 @@ class RLTrainer:
            "eval/length": float(ro.lengths.mean())}
     # greedy accuracy per difficulty level (procedural tasks), e.g. eval/accuracy_d2
     levels = np.asarray([ex.get("difficulty", -1) for ex in examples])
-    if len(set(levels.tolist()) - {-1}) > 1:
-      for d in sorted(set(levels.tolist()) - {-1}):
-        out[f"eval/accuracy_d{d}"] = float(solved[levels == d].mean())
+    known = sorted(set(levels.tolist()) - {-1})
+    for d in known if len(known) > 1 else ():
+      out[f"eval/accuracy_d{d}"] = float(solved[levels == d].mean())
     out = distributed.mean_over_processes(out)
     if k > 1:
       rok = self.sample(params, ids, k, key, temperature=1.0)
