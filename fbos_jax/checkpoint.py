@@ -1,21 +1,136 @@
 """Orbax checkpoints: train state (params, optimizer, step, PRNG, GFPO history)
 plus the data iterator state and run metadata, saved asynchronously every N
 steps, keeping the last K. Arrays are written with tensorstore (OCDBT), every
-host its own shards; restore reshards onto whatever mesh the caller passes."""
+host its own shards; restore reshards onto whatever mesh the caller passes.
+
+Reliability:
+
+* ``Checkpointer.restore(None, ...)`` restores the newest *readable*
+  checkpoint: an unreadable one (torn files, a node that died mid-save) is
+  skipped with a warning naming its directory, and, once an older one has
+  restored, moved aside to ``<workdir>/corrupt_checkpoints/<step>`` (kept,
+  not deleted) so that its step can be saved again. When no checkpoint
+  restores, nothing is moved and the error names every directory tried.
+* ``check_resume_config(saved, current, allow=...)`` refuses a resume whose
+  config changed in a field that matters (``rl.group_size``, ``algo``, the
+  loss fields, the model, the data source, ...), naming each field; the
+  fields that do not matter are listed in ``RESUME_IGNORED_FIELDS``.
+"""
 
 from __future__ import annotations
 
 import base64
 import json
 import os
+import shutil
+import time
 from typing import Any, Optional
 
+from absl import logging
 import jax
 import orbax.checkpoint as ocp
 
 
 class CheckpointMismatchError(ValueError):
-  pass
+  """The checkpoint was written under a config that differs where it matters."""
+
+
+class CheckpointRestoreError(RuntimeError):
+  """No checkpoint of the directory could be read; names each one tried."""
+
+
+# Config fields (dotted; a trailing ".*" covers a whole section) whose change
+# does not make a resume wrong: run length and bookkeeping, logging and
+# progress, host-side concurrency, compile-time buckets and the mesh (restore
+# reshards), and model fields that do not change the parameters.
+RESUME_IGNORED_FIELDS = (
+    "variant",
+    "train.steps", "train.log_every", "train.eval_every", "train.eval_prompts",
+    "train.eval_k", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.progress", "train.warm_start", "train.allow_config_change",
+    "verifier.workers", "verifier.timeout_s", "verifier.backend",
+    "verifier.max_abandoned_threads",
+    "data.read_threads",
+    "mesh.*",
+    "sampling.batch_buckets", "sampling.prompt_buckets",
+    "sampling.fap_prompt_buckets",
+    "rl.fixed_row_buckets", "rl.micro_batches",
+    "model.param_dtype", "model.compute_dtype", "model.remat", "model.hf_path",
+    "model.tokenizer_path",
+)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      out.update(_flatten(v, f"{prefix}{k}."))
+  else:
+    out[prefix[:-1]] = tree
+  return out
+
+
+def _ignored(field: str, ignored: tuple[str, ...]) -> bool:
+  return any(field == p or (p.endswith(".*") and field.startswith(p[:-1]))
+             for p in ignored)
+
+
+def check_resume_config(saved: Optional[dict], current: dict, *, allow: bool,
+                        ignored: tuple[str, ...] = RESUME_IGNORED_FIELDS,
+                        flag: str = "--allow_config_change"
+                        ) -> list[tuple[str, Any, Any]]:
+  """Compares the config a checkpoint was written with to the current one.
+
+  Args:
+    saved: the checkpoint's config (``config.to_dict()`` as stored in its
+      metadata, JSON round-tripped), or None for a checkpoint that has none
+      (then nothing can be checked: a warning).
+    current: ``config.to_dict()`` now.
+    allow: resume anyway (the differences are logged as warnings).
+    ignored: fields that do not matter (``RESUME_IGNORED_FIELDS``).
+    flag: the command-line flag that sets ``allow``, for the message.
+
+  Returns:
+    ``[(field, saved_value, current_value), ...]`` for the fields that matter
+    and differ (empty: nothing changed that matters).
+
+  Raises:
+    CheckpointMismatchError: such fields differ and ``allow`` is False; the
+      message names each one.
+  """
+  if saved is None:
+    logging.warning("the checkpoint records no config; cannot check that the "
+                    "resumed run uses the same one")
+    return []
+  a = _flatten(json.loads(json.dumps(saved, default=str)))
+  b = _flatten(json.loads(json.dumps(current, default=str)))
+  diffs, unknown = [], []
+  for field in sorted(set(a) | set(b)):
+    if _ignored(field, ignored):
+      continue
+    if field not in a or field not in b:  # added or removed by a code change
+      unknown.append(f"{field}: checkpoint={a.get(field, '(absent)')!r} "
+                     f"config={b.get(field, '(absent)')!r}")
+    elif a[field] != b[field]:
+      diffs.append((field, a[field], b[field]))
+  if unknown:
+    logging.warning("config fields present on one side only (not checked): %s",
+                    "; ".join(unknown))
+  if (a.get("train.steps") != b.get("train.steps")
+      and b.get("optim.schedule") == "cosine"):
+    logging.warning("train.steps changed from %s to %s: the cosine learning-rate "
+                    "schedule is stretched to the new length from here on",
+                    a.get("train.steps"), b.get("train.steps"))
+  if not diffs:
+    return []
+  listed = "; ".join(f"{f}: checkpoint={x!r} config={y!r}" for f, x, y in diffs)
+  if not allow:
+    raise CheckpointMismatchError(
+        f"the checkpoint was written with a different config ({listed}). Resuming "
+        "would continue a different run. Use the matching config, another "
+        f"--workdir, or {flag} to resume with the new values on purpose.")
+  logging.warning("resuming with a changed config (%s): %s", flag, listed)
+  return diffs
 
 
 def _to_jsonable(x):
@@ -51,6 +166,7 @@ class Checkpointer:
             enable_async_checkpointing=async_save, create=True),
         item_names=("state", "data", "meta"),
     )
+    self.restored_step: Optional[int] = None
 
   def latest_step(self) -> Optional[int]:
     return self.manager.latest_step()
@@ -67,10 +183,59 @@ class Checkpointer:
   def restore(self, step: Optional[int], abstract_state: Any, expected_meta: Optional[dict] = None):
     """Restore into ``abstract_state`` (ShapeDtypeStructs carrying the target
     shardings: restore reshards onto the current mesh). Returns
-    (state, data_state, meta)."""
-    step = self.latest_step() if step is None else step
-    if step is None:
+    (state, data_state, meta); ``self.restored_step`` is the step restored.
+
+    With ``step=None`` the newest readable checkpoint is restored: unreadable
+    newer ones are skipped with a warning and moved aside (see the module
+    doc). A model-config mismatch (``CheckpointMismatchError``) is raised at
+    once. ``CheckpointRestoreError`` when none can be read."""
+    steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
+    if not steps:
       raise FileNotFoundError(f"No checkpoint in {self.directory}")
+    failures = []
+    for s in steps:
+      try:
+        out = self._restore_step(s, abstract_state, expected_meta)
+      except CheckpointMismatchError:
+        raise
+      except Exception as e:  # pylint: disable=broad-except
+        failures.append((s, e))
+        logging.warning("checkpoint %s is unreadable (%s: %s)%s", self._step_dir(s),
+                        type(e).__name__, str(e)[:500],
+                        "; trying the previous one" if s != steps[-1] else "")
+        continue
+      self.restored_step = s
+      if failures:
+        self._move_aside([f for f, _ in failures])
+        logging.warning("restored checkpoint %s instead of the newest, unreadable %s",
+                        self._step_dir(s), ", ".join(self._step_dir(f) for f, _ in failures))
+      return out
+    listed = "; ".join(f"{self._step_dir(s)}: {type(e).__name__}: {str(e)[:300]}"
+                       for s, e in failures)
+    raise CheckpointRestoreError(f"no checkpoint could be restored ({listed})") from failures[0][1]
+
+  def _step_dir(self, step: int) -> str:
+    return f"{self.directory}/{step}"
+
+  def _move_aside(self, steps: list[int]) -> None:
+    """Moves unreadable step directories to ``<parent>/corrupt_checkpoints``."""
+    if jax.process_index() != 0 or "://" in self.directory:
+      return
+    target = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints")
+    for s in steps:
+      src = self._step_dir(s)
+      if not os.path.isdir(src):
+        continue
+      os.makedirs(target, exist_ok=True)
+      dst = os.path.join(target, str(s))
+      if os.path.exists(dst):
+        dst += time.strftime("-%Y%m%d-%H%M%S")
+      shutil.move(src, dst)
+      logging.warning("moved unreadable checkpoint %s to %s (kept for inspection; "
+                      "step %d will be saved again)", src, dst, s)
+    self.manager.reload()
+
+  def _restore_step(self, step: int, abstract_state: Any, expected_meta: Optional[dict]):
     meta = _from_jsonable(self.manager.restore(
         step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     if expected_meta is not None:

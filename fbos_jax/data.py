@@ -15,14 +15,34 @@ Entry point::
     (``gs://``, ``s3://``, ``file://`` ...). Files are read whole into host
     memory when the iterator is made (prompt sets are small); each record
     needs ``prompt_field`` and may have ``answer_field`` / ``id_field``.
-    A JSONL line that is not a JSON object, or a record without the prompt
-    field, is *malformed*: ``on_malformed="error"`` raises
-    ``MalformedRecordError("<file>:<line>: ...")``; ``"skip"`` drops it and
-    counts it in ``stats()["data/malformed_skipped"]``.
+    A JSONL line that is not a JSON object, a record without the prompt
+    field, or a record without a field its verifier needs (e.g. ``answer``
+    for "math", ``tests`` for "code": the verifier's ``required_fields``) is
+    *malformed*: ``on_malformed="error"`` raises
+    ``MalformedRecordError("<file>:<line>: ...")``; ``"skip"`` drops it,
+    counts it in ``stats()["data/malformed_skipped"]`` and logs the count
+    with the first few locations when the files are read. Every file example
+    carries ``"_location"`` (``"<file>:<line>"``; ``locate(example)`` for
+    messages).
+    **Held-out split**: ``split="eval"`` returns only held-out records and
+    ``split="train"`` never returns them. The held-out set is ``eval_path``
+    (a separate file; training also drops records whose prompt is in it), or
+    else the records whose id (``id_field``; the prompt text when a record
+    has no id) hashes into the first ``eval_fraction`` of the hash space:
+    deterministic, independent of file order, and records sharing a prompt
+    land on the same side. With neither, there is no held-out set and
+    ``split="eval"`` raises. ``describe_eval_source(cfg)`` says which.
   * ``"procedural"``: ``tasks.ProceduralSource``; example ``i`` is generated
     from ``(generation_seed, i)``, so an "infinite" source (``num_examples=0``)
     is just an index space. ``split="eval"`` draws from a problem set disjoint
     from ``"train"`` (see ``tasks.py``).
+
+**Verifier** (``verifier``): an explicit name or ``"pkg.module:attr"`` applies
+to every example (a dataset ``verifier`` column that names another one is a
+``VerifierConflictError`` naming the file and line, rather than being
+silently ignored or silently winning); ``"auto"`` (the default) takes each
+record's ``verifier`` column (procedural examples: "procedural") and refuses
+file records without one. Each example's ``"verifier"`` key holds the result.
 
 **Order**: global shuffle with ``shuffle_seed`` (re-seeded every epoch), then
 ``num_epochs`` repeats (0 = forever), then the per-host shard: host ``p`` of
@@ -33,33 +53,46 @@ procedural sources are already i.i.d. per index and are not shuffled.
 **Over-long prompts** (``max_prompt_chars`` and/or ``max_prompt_tokens``, 0 =
 no limit; tokens need ``tokenizer=`` and count the rendered prompt, chat
 template included): ``over_long="filter"`` drops the example, ``"truncate"``
-keeps the prompt's beginning, ``"error"`` raises. Counts are in ``stats()``.
+keeps the prompt's beginning, ``"error"`` raises naming the file:line and id.
+Counts are in ``stats()``; the first few filtered / truncated examples are
+logged with their location.
 
 **Resume**: the state is grain's iterator state plus the counters, taken
 between batches; nothing is buffered ahead of it (grain's prefetch tracks the
 consumed position), so a restored iterator yields exactly the examples the
 original would have yielded next (the failure mode of tunix #2290). The state
-records a fingerprint of the order-defining config and the shard; restoring
-it under a different one raises instead of silently skipping data.
+records the order-defining config fields and the shard; restoring it under
+different ones raises, naming each differing field, instead of silently
+skipping data.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 from typing import Any, Iterator
 
+from absl import logging
 import grain
 import ml_collections
 
 from fbos_jax import tasks
+from fbos_jax.verifiers import base as verifiers_base
 
 STATE_VERSION = 1
+AUTO = verifiers_base.AUTO
+LOG_FIRST = 5  # how many skipped / filtered records are named in the log
+LOCATION_KEY = "_location"  # "<file>:<line>" of a file example
 
 
 class MalformedRecordError(ValueError):
   """A data record could not be read; the message names file and line."""
+
+
+class VerifierConflictError(ValueError):
+  """A record's ``verifier`` column contradicts an explicit ``data.verifier``."""
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -73,8 +106,15 @@ def default_data_config() -> ml_collections.ConfigDict:
       "max_difficulty": 0,  # >0: per-example difficulty in [difficulty, this]
       "num_examples": 0,  # procedural: 0 = infinite index space
       "generation_seed": 0,  # procedural content seed (not the order seed)
-      "split": "train",  # "train" | "eval"; procedural eval is disjoint
-      "verifier": "procedural",  # registered name or "package.module:attr"
+      "split": "train",  # "train" | "eval"; eval is disjoint from train
+      # Files' held-out set: a separate file (file, glob or comma list) ...
+      "eval_path": "",
+      # ... or else this share of data.path, by a hash of each record's id
+      # (else its prompt), excluded from training. 0 = no held-out set.
+      "eval_fraction": 0.05,
+      # "auto": each record's "verifier" column (procedural: "procedural");
+      # else a registered name or "package.module:attr" for EVERY example.
+      "verifier": AUTO,
       "feedback_reveals_answer": False,  # passed to the verifier
       "shuffle": True,
       "shuffle_seed": 0,
@@ -113,8 +153,29 @@ def expand_paths(path: str) -> list[str]:
   return out
 
 
+@functools.lru_cache(maxsize=None)
+def _required_fields(verifier: str) -> tuple[str, ...]:
+  return verifiers_base.required_fields(verifier)
+
+
+def _blank(value: Any) -> bool:
+  return value is None or (isinstance(value, str) and not value.strip())
+
+
+def locate(example: dict) -> str:
+  """``"<file>:<line> (id '...')"`` of a file example, ``"id '...'"``
+  otherwise: for error messages and logs."""
+  where = example.get(LOCATION_KEY)
+  rid = example.get("id")
+  return f"{where} (id {rid!r})" if where else f"id {rid!r}"
+
+
 def _normalize(record: Any, where: str, cfg) -> dict:
-  """Record -> example dict with str prompt/answer/id (or raises)."""
+  """Record -> example dict with str prompt/answer/id (or raises).
+
+  Also resolves the example's verifier (see the module doc) and checks that
+  the record has every field that verifier requires.
+  """
   if not isinstance(record, dict):
     raise MalformedRecordError(
         f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -128,12 +189,40 @@ def _normalize(record: Any, where: str, cfg) -> dict:
       answer if isinstance(answer, str) else json.dumps(answer))
   rid = record.get(cfg.id_field)
   ex["id"] = str(rid) if rid is not None else where
-  ex.setdefault("verifier", cfg.verifier)
+  ex[LOCATION_KEY] = where
+  column = record.get("verifier")
+  if cfg.verifier == AUTO:
+    if _blank(column):
+      raise MalformedRecordError(
+          f"{where}: no 'verifier' field, and data.verifier='auto' takes each "
+          "record's verifier from it; set data.verifier to the verifier of "
+          "these records (e.g. 'math')")
+    name = str(column)
+  else:
+    name = cfg.verifier
+    if not _blank(column) and str(column) != name:
+      raise VerifierConflictError(
+          f"{where}: the record's 'verifier' field says {str(column)!r}, but "
+          f"data.verifier={name!r} is set and applies to every example; set "
+          "data.verifier='auto' to use the column, or drop the column")
+  ex["verifier"] = name
+  for field in _required_fields(name):
+    if _blank(ex.get(field)):
+      shown = {"answer": cfg.answer_field, "prompt": cfg.prompt_field}.get(field, field)
+      raise MalformedRecordError(
+          f"{where}: missing field {shown!r}, which verifier {name!r} needs "
+          "(a record without it would be graded against nothing)")
+  # The held-out split's key: the record's own id, else its prompt text.
+  ex["_split_key"] = f"id:{rid}" if rid is not None else f"prompt:{ex['prompt']}"
   return ex
 
 
-def read_jsonl(path: str, cfg) -> tuple[list[dict], int]:
-  """Reads one JSONL file -> (examples, malformed lines skipped)."""
+def read_jsonl(path: str, cfg, problems: list | None = None
+               ) -> tuple[list[dict], int]:
+  """Reads one JSONL file -> (examples, malformed lines skipped).
+
+  ``problems`` (optional) collects the skipped lines' error messages.
+  """
   import fsspec  # pylint: disable=g-import-not-at-top
 
   with fsspec.open(path, "rb") as f:
@@ -153,14 +242,17 @@ def read_jsonl(path: str, cfg) -> tuple[list[dict], int]:
       if cfg.id_field not in record:
         ex["id"] = f"{name}:{lineno}"
       out.append(ex)
-    except MalformedRecordError:
+    except MalformedRecordError as e:
       if cfg.on_malformed != "skip":
         raise
       skipped += 1
+      if problems is not None:
+        problems.append(str(e))
   return out, skipped
 
 
-def read_parquet(path: str, cfg) -> tuple[list[dict], int]:
+def read_parquet(path: str, cfg, problems: list | None = None
+                 ) -> tuple[list[dict], int]:
   """Reads one Parquet file -> (examples, malformed rows skipped)."""
   import fsspec  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
@@ -175,69 +267,223 @@ def read_parquet(path: str, cfg) -> tuple[list[dict], int]:
       if cfg.id_field not in record or record.get(cfg.id_field) is None:
         ex["id"] = f"{name}:{i}"
       out.append(ex)
-    except MalformedRecordError:
+    except MalformedRecordError as e:
       if cfg.on_malformed != "skip":
         raise
       skipped += 1
+      if problems is not None:
+        problems.append(str(e))
   return out, skipped
 
 
-def load_records(cfg) -> tuple[list[dict], int]:
-  """All examples of a jsonl/parquet config -> (examples, skipped count)."""
+def load_records(cfg, path: str | None = None) -> tuple[list[dict], int]:
+  """All examples of jsonl/parquet files -> (examples, skipped count).
+
+  Args:
+    cfg: the data config.
+    path: the files to read (default ``cfg.path``; e.g. ``cfg.eval_path``).
+
+  Skipped malformed records (``on_malformed="skip"``) are logged once: their
+  count and the first few locations and reasons. (No held-out split here:
+  ``split_records`` applies it.)
+  """
+  records, skipped = _load_records(cfg, path)
+  return _strip(records), skipped
+
+
+def _load_records(cfg, path: str | None = None) -> tuple[list[dict], int]:
   if cfg.on_malformed not in ("error", "skip"):
-    raise ValueError(f"on_malformed must be 'error' or 'skip': {cfg.on_malformed!r}")
+    raise ValueError(f"data.on_malformed must be 'error' or 'skip': {cfg.on_malformed!r}")
+  path = cfg.path if path is None else path
   reader = {"jsonl": read_jsonl, "parquet": read_parquet}[cfg.source]
-  records, skipped = [], 0
-  for p in expand_paths(cfg.path):
-    r, s = reader(p, cfg)
+  records, skipped, problems = [], 0, []
+  for p in expand_paths(path):
+    r, s = reader(p, cfg, problems)
     records.extend(r)
     skipped += s
+  if skipped:
+    logging.warning(
+        "data: skipped %d malformed record(s) of %s (data.on_malformed='skip'); "
+        "first: %s", skipped, path, " | ".join(problems[:LOG_FIRST]))
   if not records:
-    raise ValueError(f"no usable records in {cfg.path!r}")
+    first = f"; first problem: {problems[0]}" if problems else ""
+    raise ValueError(f"no usable records in {path!r}{first}")
   return records, skipped
+
+
+# ---------------------------------------------------------------------------
+# The held-out split of file sources.
+
+
+def _held_out_by_hash(key: str, fraction: float) -> bool:
+  h = hashlib.sha256(b"fbos-eval|" + key.encode("utf-8", "surrogatepass")).digest()
+  return int.from_bytes(h[:8], "big") < fraction * 2.0**64
+
+
+def _check_split(cfg) -> None:
+  if cfg.split not in ("train", "eval"):
+    raise ValueError(f"data.split must be 'train' or 'eval': {cfg.split!r}")
+  if not 0.0 <= float(cfg.eval_fraction) < 1.0:
+    raise ValueError(f"data.eval_fraction must be in [0, 1): {cfg.eval_fraction!r}")
+
+
+def _has_held_out(cfg) -> bool:
+  return bool(cfg.get("eval_path")) or float(cfg.get("eval_fraction", 0.0)) > 0
+
+
+def split_records(cfg) -> tuple[list[dict], int, int]:
+  """The records of ``cfg.split`` for a jsonl/parquet config.
+
+  Returns:
+    ``(records, malformed_skipped, held_out_excluded)``: for ``split="train"``
+    the training records (held-out ones and ones sharing a held-out prompt
+    removed; ``held_out_excluded`` counts them), for ``"eval"`` the held-out
+    records only.
+  """
+  _check_split(cfg)
+  if cfg.split == "eval" and not _has_held_out(cfg):
+    raise ValueError(
+        f"data.split='eval' on a {cfg.source} source needs a held-out set: set "
+        "data.eval_path (a separate file) or data.eval_fraction > 0 (a hashed "
+        f"share of data.path={cfg.path!r}); with neither, an eval would be "
+        "scored on training records")
+  if cfg.get("eval_path"):
+    if cfg.split == "eval":
+      records, skipped = _load_records(cfg, cfg.eval_path)
+      return _strip(records), skipped, 0
+    held_out, _ = _load_records(cfg, cfg.eval_path)
+    records, skipped = _load_records(cfg)
+    held_keys = set()  # ids of two files may coincide: match by prompt only
+  else:
+    records, skipped = _load_records(cfg)
+    fraction = float(cfg.eval_fraction)
+    if fraction <= 0:
+      return _strip(records), skipped, 0
+    held = [_held_out_by_hash(r["_split_key"], fraction) for r in records]
+    held_out = [r for r, h in zip(records, held) if h]
+    if cfg.split == "eval":
+      if not held_out:
+        raise ValueError(
+            f"no record of data.path={cfg.path!r} ({len(records)} records) falls "
+            f"in the held-out share data.eval_fraction={fraction:g}; raise it or "
+            "set data.eval_path")
+      return _strip(held_out), skipped, 0
+    held_keys = {r["_split_key"] for r in held_out}
+  held_prompts = {r["prompt"] for r in held_out}
+  train = [r for r in records
+           if r["_split_key"] not in held_keys and r["prompt"] not in held_prompts]
+  excluded = len(records) - len(train)
+  if not train:
+    raise ValueError(f"every record of data.path={cfg.path!r} is in the held-out "
+                     "set; nothing is left to train on")
+  if excluded:
+    logging.info("data: %d of %d records of %s are held out for eval (%s)",
+                 excluded, len(records), cfg.path, describe_eval_source(cfg))
+  return _strip(train), skipped, excluded
+
+
+def _strip(records: list[dict]) -> list[dict]:
+  for r in records:
+    r.pop("_split_key", None)
+  return records
+
+
+def describe_eval_source(cfg) -> str:
+  """One line saying where the held-out eval examples come from (for logs)."""
+  if cfg.source == "procedural":
+    return (f"held-out eval: the procedural eval split of task {cfg.task!r}, "
+            f"disjoint from training by content ({tasks.EVAL_PERCENT}% of "
+            "problems, by a hash of the prompt, are eval-only)")
+  if cfg.get("eval_path"):
+    return (f"held-out eval: data.eval_path={cfg.eval_path!r}, a separate file; "
+            f"training on data.path={cfg.path!r} drops any record whose prompt "
+            "is in it")
+  fraction = float(cfg.get("eval_fraction", 0.0))
+  if fraction > 0:
+    return (f"held-out eval: data.eval_fraction={fraction:g} of data.path="
+            f"{cfg.path!r}, chosen by a hash of each record's {cfg.id_field!r} "
+            "(else its prompt), and excluded from training")
+  return (f"no held-out eval set: data.eval_path is empty and "
+          f"data.eval_fraction=0, so training sees every record of "
+          f"data.path={cfg.path!r} and there is no eval split")
 
 
 # ---------------------------------------------------------------------------
 # The dataset and the iterator.
 
 
+class _WithVerifier:
+  """grain map: sets the example's resolved ``"verifier"`` key."""
+
+  def __init__(self, name: str):
+    self.name = name
+
+  def __call__(self, ex: dict) -> dict:
+    return dict(ex, verifier=self.name)
+
+
 def build_dataset(cfg, *, process_index: int, process_count: int
-                  ) -> tuple[grain.MapDataset, int]:
+                  ) -> tuple[grain.MapDataset, dict[str, int]]:
   """The host's grain ``MapDataset`` of example dicts (before length checks).
 
   Returns:
-    ``(dataset, malformed_skipped)``.
+    ``(dataset, counts)`` with counts ``malformed_skipped`` and
+    ``held_out_excluded`` (training records left out for the eval split).
   """
   if not 0 <= process_index < process_count:
     raise ValueError(f"bad shard {process_index} of {process_count}")
-  skipped = 0
+  counts = {"malformed_skipped": 0, "held_out_excluded": 0}
   if cfg.source == "procedural":
+    _check_split(cfg)
     src = tasks.ProceduralSource(
         cfg.task, seed=cfg.generation_seed, difficulty=cfg.difficulty,
         max_difficulty=cfg.max_difficulty or None, split=cfg.split,
         num_examples=cfg.num_examples or None)
     ds = grain.MapDataset.source(src)
+    # The configured verifier wins over the examples' own "procedural".
+    ds = ds.map(_WithVerifier("procedural" if cfg.verifier == AUTO else cfg.verifier))
     finite = bool(cfg.num_examples)
   elif cfg.source in ("jsonl", "parquet"):
-    records, skipped = load_records(cfg)
+    records, counts["malformed_skipped"], counts["held_out_excluded"] = (
+        split_records(cfg))
     ds = grain.MapDataset.source(records)
     finite = True
   else:
-    raise ValueError(f"unknown data source {cfg.source!r}")
+    raise ValueError(f"unknown data.source {cfg.source!r}")
   if finite:
     if cfg.shuffle:
       ds = ds.shuffle(seed=cfg.shuffle_seed)
     ds = ds.repeat(cfg.num_epochs or None)
   ds = ds[process_index::process_count]
-  return ds, skipped
+  return ds, counts
+
+
+_ORDER_FIELDS = ("source", "path", "task", "difficulty", "max_difficulty",
+                 "num_examples", "generation_seed", "split", "shuffle",
+                 "shuffle_seed", "num_epochs", "prompt_field", "max_prompt_chars",
+                 "max_prompt_tokens", "over_long", "on_malformed")
+# Fields that shape a file's training stream only when a held-out split is on
+# (kept out otherwise, so the states of older runs still match).
+_SPLIT_FIELDS = ("eval_path", "eval_fraction", "id_field")
+
+
+def _fingerprint_fields(cfg, process_index: int, process_count: int,
+                        batch_size: int) -> dict[str, Any]:
+  """The fields that define which examples come in which order."""
+  keys = list(_ORDER_FIELDS)
+  if cfg.source != "procedural" and _has_held_out(cfg):
+    keys += _SPLIT_FIELDS
+  fields = {k: cfg.get(k) for k in keys}
+  fields.update(process_index=process_index, process_count=process_count,
+                batch_size=batch_size)
+  return json.loads(json.dumps(fields, default=str))
 
 
 def _fingerprint(cfg, process_index: int, process_count: int,
                  batch_size: int) -> str:
-  keys = ("source", "path", "task", "difficulty", "max_difficulty",
-          "num_examples", "generation_seed", "split", "shuffle",
-          "shuffle_seed", "num_epochs", "prompt_field", "max_prompt_chars",
-          "max_prompt_tokens", "over_long", "on_malformed")
+  keys = list(_ORDER_FIELDS)
+  if cfg.source != "procedural" and _has_held_out(cfg):
+    keys += _SPLIT_FIELDS
   blob = json.dumps([[k, cfg.get(k)] for k in keys] +
                     [process_index, process_count, batch_size], default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -252,19 +498,23 @@ class PromptIterator:
   """
 
   def __init__(self, ds: grain.MapDataset, cfg, *, batch_size: int,
-               fingerprint: str, malformed_skipped: int = 0, tokenizer=None):
+               fingerprint: str, malformed_skipped: int = 0, tokenizer=None,
+               fingerprint_fields: dict | None = None,
+               held_out_excluded: int = 0):
     if batch_size < 1:
       raise ValueError("batch_size must be >= 1")
     if cfg.over_long not in ("filter", "truncate", "error"):
-      raise ValueError(f"over_long must be filter|truncate|error: {cfg.over_long!r}")
+      raise ValueError(f"data.over_long must be filter|truncate|error: {cfg.over_long!r}")
     if cfg.max_prompt_tokens and tokenizer is None:
-      raise ValueError("max_prompt_tokens needs make_prompt_iterator(tokenizer=...)")
+      raise ValueError("data.max_prompt_tokens needs make_prompt_iterator(tokenizer=...)")
     self._ds = ds
     self._cfg = cfg
     self.batch_size = batch_size
     self._tokenizer = tokenizer
     self._fingerprint = fingerprint
+    self._fingerprint_fields = dict(fingerprint_fields or {})
     self._malformed_skipped = malformed_skipped
+    self._held_out_excluded = held_out_excluded
     self._counts = {"examples": 0, "batches": 0, "filtered_over_long": 0,
                     "truncated_over_long": 0}
     self._it = self._new_grain_iterator()
@@ -288,12 +538,17 @@ class PromptIterator:
     too_long_tokens = cfg.max_prompt_tokens and n_tok > cfg.max_prompt_tokens
     if not (too_long_chars or too_long_tokens):
       return ex
+    what = (f"prompt has {len(prompt)} chars / {n_tok or '?'} tokens, over "
+            f"data.max_prompt_chars={cfg.max_prompt_chars} / "
+            f"data.max_prompt_tokens={cfg.max_prompt_tokens}")
     if cfg.over_long == "error":
-      raise ValueError(
-          f"example {ex.get('id')!r}: prompt has {len(prompt)} chars / "
-          f"{n_tok or '?'} tokens, over max_prompt_chars="
-          f"{cfg.max_prompt_chars} / max_prompt_tokens={cfg.max_prompt_tokens}"
-          " (over_long='error')")
+      raise ValueError(f"{locate(ex)}: {what} (data.over_long='error')")
+    kind = "filtered" if cfg.over_long == "filter" else "truncated"
+    n = self._counts[f"{kind}_over_long"] + 1
+    if n <= LOG_FIRST:
+      logging.warning("data: %s over-long example %s: %s%s", kind, locate(ex), what,
+                      f" (later ones are counted in data/{kind}_over_long, not "
+                      "logged)" if n == LOG_FIRST else "")
     if cfg.over_long == "filter":
       self._counts["filtered_over_long"] += 1
       return None
@@ -338,18 +593,33 @@ class PromptIterator:
   def get_state(self) -> dict[str, Any]:
     """A JSON-serializable snapshot, valid between batches."""
     return {"version": STATE_VERSION, "fingerprint": self._fingerprint,
+            "fields": dict(self._fingerprint_fields),
             "grain": self._it.get_state(), "counts": dict(self._counts)}
 
   def set_state(self, state: dict[str, Any]) -> None:
-    """Restores ``get_state()`` output (from the same config and shard)."""
+    """Restores ``get_state()`` output (from the same config and shard).
+
+    Raises:
+      ValueError: the state was saved under other order-defining fields; the
+        message names each one (``data.<field>: saved X, now Y``).
+    """
     if state.get("version") != STATE_VERSION:
       raise ValueError(f"unsupported data iterator state version "
                        f"{state.get('version')!r}")
     if state.get("fingerprint") != self._fingerprint:
+      saved = state.get("fields")
+      if saved:
+        now = self._fingerprint_fields
+        diff = [f"{'' if k in ('process_index', 'process_count', 'batch_size') else 'data.'}"
+                f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}"
+                for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        detail = "; ".join(diff) or f"fingerprint {state.get('fingerprint')}"
+      else:  # a state from before the fields were recorded
+        detail = (f"fingerprint saved {state.get('fingerprint')}, now "
+                  f"{self._fingerprint}")
       raise ValueError(
           "data iterator state was saved with a different data config, shard "
-          "or batch size; resuming would not see the same examples "
-          f"(saved {state.get('fingerprint')}, now {self._fingerprint})")
+          f"or batch size; resuming would not see the same examples ({detail})")
     self._it = self._new_grain_iterator()
     self._it.set_state(state["grain"])
     self._counts = dict(state["counts"])
@@ -358,6 +628,7 @@ class PromptIterator:
     """Counters since the start of training (restored with the state)."""
     out = {f"data/{k}": float(v) for k, v in self._counts.items()}
     out["data/malformed_skipped"] = float(self._malformed_skipped)
+    out["data/held_out_excluded"] = float(self._held_out_excluded)
     return out
 
 
@@ -395,9 +666,12 @@ def make_prompt_iterator(
              else dict(data_config))
   if seed is not None:
     cfg.shuffle_seed = int(seed)
-  ds, skipped = build_dataset(cfg, process_index=process_index,
-                              process_count=process_count)
+  ds, counts = build_dataset(cfg, process_index=process_index,
+                             process_count=process_count)
   return PromptIterator(
-      ds, cfg, batch_size=batch_size, malformed_skipped=skipped,
-      tokenizer=tokenizer,
-      fingerprint=_fingerprint(cfg, process_index, process_count, batch_size))
+      ds, cfg, batch_size=batch_size, tokenizer=tokenizer,
+      malformed_skipped=counts["malformed_skipped"],
+      held_out_excluded=counts["held_out_excluded"],
+      fingerprint=_fingerprint(cfg, process_index, process_count, batch_size),
+      fingerprint_fields=_fingerprint_fields(cfg, process_index, process_count,
+                                             batch_size))

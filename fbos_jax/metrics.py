@@ -1,13 +1,35 @@
-"""Metrics: JSONL + TensorBoard event files every step, and PNG curves."""
+"""Metrics: JSONL + TensorBoard event files every step, and PNG curves.
+
+``metrics.jsonl`` is written so that a crash loses at most the line being
+written, and a restart never duplicates rows:
+
+* every row is appended as one whole line, flushed and fsynced;
+* every rewrite goes to a temporary file that replaces the original with
+  ``os.replace`` (atomic), so a failed rewrite leaves the old file intact;
+* a torn last line (a kill mid-write) is skipped with a warning naming the
+  file; a broken line elsewhere raises ``ValueError("<file>:<line>: ...")``;
+* a writer's first row at step ``s`` first drops the file's rows with step
+  ``>= s`` (a previous run got past its last checkpoint, or past nothing: a
+  fresh start at step 0 drops them all), logging how many.
+
+TensorBoard tags are sanitized (``eval/pass@4`` -> ``eval/pass_at_4``); the
+JSONL keys stay as given.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
+import tempfile
+import time
 from typing import Any, Iterable, Optional
 
+from absl import logging
 import numpy as np
+
+_TB_INVALID = re.compile(r"[^-/\w.]")
 
 
 def _scalar(v) -> Optional[float]:
@@ -18,14 +40,26 @@ def _scalar(v) -> Optional[float]:
   return f
 
 
+def tensorboard_tag(key: str) -> str:
+  """A metric key as a legal TensorBoard tag: ``@`` -> ``_at_``, any other
+  character but letters, digits, ``_ - / .`` -> ``_``, no leading ``/``."""
+  return _TB_INVALID.sub("_", key.replace("@", "_at_")).lstrip("/")
+
+
 class MetricsWriter:
   """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to
-  TensorBoard (tensorboardX). Only process 0 writes."""
+  TensorBoard (tensorboardX). Only process 0 writes (``enabled``).
+
+  The first ``write(step, ...)`` of a writer drops the file's rows with step
+  ``>= step`` (see the module doc), so constructing a writer and writing from
+  the restored step (0 without a checkpoint) is all a resume needs.
+  """
 
   def __init__(self, workdir: str, *, enabled: bool = True, filename: str = "metrics.jsonl"):
     self.enabled = enabled
     self.path = os.path.join(workdir, filename)
     self._tb = None
+    self._started = False
     if enabled:
       os.makedirs(workdir, exist_ok=True)
       try:
@@ -34,44 +68,123 @@ class MetricsWriter:
       except Exception:  # tensorboardX missing: JSONL still works
         self._tb = None
 
+  def _start(self, step: int) -> None:
+    """Drops rows at or past ``step`` (re-run now) and any torn last line."""
+    self._started = True
+    if not os.path.exists(self.path):
+      return
+    try:
+      rows, clean = _read_rows(self.path)
+    except ValueError as e:  # broken in the middle: keep it aside, start anew
+      aside = f"{self.path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}"
+      os.replace(self.path, aside)
+      logging.warning("%s; moved it to %s and started a new metrics file", e, aside)
+      return
+    keep = [r for r in rows if _step_of(r) < step]
+    if len(keep) != len(rows):
+      logging.warning(
+          "%s: dropping %d row(s) with step >= %d, written by a run that "
+          "stopped after its last checkpoint (they are re-run now)",
+          self.path, len(rows) - len(keep), step)
+    if len(keep) != len(rows) or not clean:
+      _rewrite(self.path, keep)
+
   def write(self, step: int, metrics: dict[str, Any]):
     if not self.enabled:
       return
+    if not self._started:
+      self._start(int(step))
     row = {"step": int(step)}
     for k, v in metrics.items():
       f = _scalar(v)
       if f is not None:
         row[k] = f if math.isfinite(f) else str(f)
         if self._tb is not None and math.isfinite(f):
-          self._tb.add_scalar(k, f, int(step))
+          self._tb.add_scalar(tensorboard_tag(k), f, int(step))
       elif isinstance(v, (str, list)):
         row[k] = v
+    line = json.dumps(row) + "\n"
     with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+      f.write(line)
+      f.flush()
+      os.fsync(f.fileno())
 
   def close(self):
     if self._tb is not None:
       self._tb.close()
 
 
-def read_jsonl(path: str) -> list[dict]:
+def _step_of(row: dict) -> float:
+  try:
+    return float(row.get("step", 0))
+  except (TypeError, ValueError):
+    return 0.0
+
+
+def _read_rows(path: str) -> tuple[list[dict], bool]:
+  """Rows of a JSONL file and whether it is clean (no torn last line, ends
+  with a newline). A bad line that is not the last raises."""
+  with open(path, "rb") as f:
+    data = f.read()
+  lines = data.split(b"\n")
+  clean = data.endswith(b"\n") or not data
+  numbered = [(i, ln) for i, ln in enumerate(lines, start=1) if ln.strip()]
   rows = []
+  for k, (lineno, line) in enumerate(numbered):
+    try:
+      row = json.loads(line)
+      if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError too
+      if k == len(numbered) - 1 and not data.endswith(b"\n"):
+        logging.warning("%s:%d: skipping a torn last line (a run was killed "
+                        "while writing it): %r", path, lineno, line[:80])
+        return rows, False
+      raise ValueError(f"{path}:{lineno}: not a JSON object line ({e})") from None
+    rows.append(row)
+  return rows, clean
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """The rows of a metrics JSONL file ([] if it does not exist).
+
+  A torn last line is skipped with a warning naming the file; a broken line
+  elsewhere raises ``ValueError("<file>:<line>: ...")``.
+  """
   if not os.path.exists(path):
-    return rows
-  with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if line:
-        rows.append(json.loads(line))
-  return rows
+    return []
+  return _read_rows(path)[0]
+
+
+def _rewrite(path: str, rows: list[dict]) -> None:
+  """Writes ``rows`` to a temp file, fsyncs it, and atomically replaces
+  ``path``: a failure leaves the old file as it was."""
+  directory = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                             dir=directory)
+  try:
+    with os.fdopen(fd, "w") as f:
+      for r in rows:
+        f.write(json.dumps(r) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    try:
+      os.remove(tmp)
+    except OSError:
+      pass
+    raise
 
 
 def truncate_jsonl(path: str, max_step: int):
-  """Drop rows after ``max_step`` (on resume, steps past the checkpoint re-run)."""
-  rows = [r for r in read_jsonl(path) if r.get("step", 0) <= max_step]
-  with open(path, "w") as f:
-    for r in rows:
-      f.write(json.dumps(r) + "\n")
+  """Drop rows after ``max_step`` (on resume, steps past the checkpoint re-run);
+  ``max_step=-1`` drops every row (a fresh start). Atomic (see ``_rewrite``);
+  a torn last line is dropped too."""
+  if not os.path.exists(path):
+    return
+  rows = [r for r in read_jsonl(path) if _step_of(r) <= max_step]
+  _rewrite(path, rows)
 
 
 # one panel per entry; "a|b" overlays metrics a and b in one panel

@@ -20,6 +20,9 @@ Example dicts (what ``make_example`` returns and the data pipeline yields)::
    "answer": "57", "difficulty": 2, "split": "train", "verifier": "procedural",
    ...family extras (e.g. "numbers", "target")}
 
+(The data pipeline replaces ``"verifier"`` with an explicitly configured
+``data.verifier``; see ``data.py``.)
+
 Generation is a pure function of ``(task, seed, index, difficulty range,
 split)``. Train and eval are disjoint **by content**: a problem belongs to the
 eval split iff a stable hash of its prompt falls in the first

@@ -285,13 +285,15 @@ def test_register_custom_verifier():
 
 def test_make_verifier_from_data_config_dispatches_per_example():
   from fbos_jax import data  # pylint: disable=g-import-not-at-top
-  cfg = data.default_data_config()
+  cfg = data.default_data_config()  # data.verifier="auto": route by the key
   verify = base.make_verifier(cfg)
   math_ex = {"answer": "7", "verifier": "math"}
-  assert verify(ARITH, "58").feedback == "digit 1 from the right is wrong"
+  arith = dict(ARITH, verifier="procedural")
+  assert verify(arith, "58").feedback == "digit 1 from the right is wrong"
   assert verify(math_ex, r"\boxed{7}").reward == 1.0
+  assert verify(ARITH, "57").is_error  # no key to route by: an error, not a guess
   cfg.feedback_reveals_answer = True
-  assert base.make_verifier(cfg)(ARITH, "58").feedback.endswith(
+  assert base.make_verifier(cfg)(arith, "58").feedback.endswith(
       "; the correct answer is 57")
   plain = data.default_data_config()
   plain.verifier = f"{__name__}:plain_function_verifier"
@@ -320,14 +322,16 @@ def _check_batch(verdicts, stats, responses):
     if r == "57":
       assert v == Verdict(1.0, "checked", {})
     elif r == "raise":
-      assert v.reward == 0.0
-      assert v.feedback == "verifier error: exception: ValueError: boom"
+      assert v.reward == 0.0 and v.is_error and v.feedback == ""
+      assert v.error == "exception: ValueError: boom"
       assert v.info == {"error": "exception"}
     elif r == "hang":
-      assert v.reward == 0.0
-      assert v.feedback.startswith("verifier error: timeout: no verdict within")
+      assert v.reward == 0.0 and v.is_error and v.feedback == ""
+      assert v.error.startswith("timeout: no verdict within")
     elif r == "bad":
-      assert v.feedback == "verifier error: bad_return: expected a Verdict, got str"
+      assert v.error == "bad_return: expected a Verdict, got str"
+    if r != "57":
+      assert v.is_error and not v.feedback  # error text never becomes feedback
   assert stats["verifier/calls"] == len(responses)
   assert stats["verifier/exception"] == responses.count("raise")
   assert stats["verifier/timeout"] == responses.count("hang")
@@ -368,7 +372,7 @@ def test_pool_process_backend_kills_hung_calls():
                     backend="process") as pool:
     verdicts, stats = pool.run([ARITH] * len(responses), responses)
     _check_batch(verdicts, stats, responses)
-    assert verdicts[3].feedback.startswith("verifier error: crash: worker process exited")
+    assert verdicts[3].error.startswith("crash: worker process exited")
     assert stats["verifier/crash"] == 1
     hung = [w for w in pool._workers if not w.proc.is_alive()]  # pylint: disable=protected-access
     assert not hung  # the hung worker was killed and dropped

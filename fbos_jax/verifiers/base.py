@@ -9,14 +9,26 @@ the EOS token. A verifier may also return a ``(reward, feedback)`` or
 The trainer never calls a verifier directly; it calls ``VerifierPool.run`` with
 the whole batch. The pool runs the calls concurrently with a per-call timeout,
 and turns every failure (exception, timeout, hang, a worker process dying, a
-malformed return value) into ``Verdict(0.0, "verifier error: <kind>: ...",
-{"error": kind})``, so one bad verifier call never stops training. Each error
-kind is logged once per pool (absl logging) and counted in the returned stats.
+malformed return value, a reward outside ``reward_range`` or not finite, an
+example without the reference a verifier needs) into an **error verdict**:
+``Verdict(0.0, "", {"error": kind}, error="<kind>: <detail>")``. Its
+``is_error`` is True, its reward 0.0 is a placeholder (not a judgement: callers
+leave error rows out of groups and accuracies), and its feedback is empty: the
+error text is in ``Verdict.error`` only and never reaches a prompt. Each error
+kind is logged once per pool (absl logging) and counted in the returned stats,
+so one bad verifier call never stops training.
 
 Registry: built-in verifiers register under short names ("procedural", "math",
 "ifeval", "code"); a user verifier is named by import path
 ``"package.module:attr"`` on the command line, e.g.
-``--config.data.verifier=my_pkg.checks:my_verifier``.
+``--config.data.verifier=my_pkg.checks:my_verifier``. Which verifier an example
+gets: an explicit ``data.verifier`` applies to every example; only
+``data.verifier="auto"`` routes each example by its own ``"verifier"`` key
+(procedural examples say "procedural"; a dataset may carry a column).
+
+A verifier factory (class or function) may declare ``required_fields``, the
+example keys it cannot work without (e.g. ``("answer",)``); the data loader
+refuses records that lack them, naming the file and line.
 """
 
 from __future__ import annotations
@@ -35,8 +47,19 @@ from typing import Any, Callable, Mapping, Sequence
 from absl import logging
 
 CORRECT_FEEDBACK = "correct"  # feedback of a fully correct response
-ERROR_PREFIX = "verifier error"
-ERROR_KINDS = ("exception", "timeout", "bad_return", "crash")
+ERROR_PREFIX = "verifier error"  # starts the log line of an error verdict
+# Error kinds, each counted in the pool's stats as ``verifier/<kind>``:
+#   exception    the verifier raised
+#   timeout      no verdict within timeout_s (thread abandoned / process killed)
+#   bad_return   not a Verdict or (reward, feedback[, info]) tuple
+#   crash        a process-backend worker died
+#   bad_reward   a reward that is not finite or is outside reward_range
+#   bad_example  the example lacks what the verifier needs (e.g. no answer)
+#   sandbox      the code sandbox cannot run (e.g. no namespaces on this host)
+ERROR_KINDS = ("exception", "timeout", "bad_return", "crash", "bad_reward",
+               "bad_example", "sandbox")
+AUTO = "auto"  # data.verifier: route each example by its own "verifier" key
+DEFAULT_REWARD_RANGE = (-10.0, 10.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,28 +70,42 @@ class Verdict:
     reward: scalar reward, usually in [0, 1]; 1.0 means fully correct.
     feedback: natural-language feedback saying what is wrong and where
       ("correct" when nothing is). By default it must not reveal the
-      reference answer.
+      reference answer. Empty for an error verdict.
     info: free-form extra data for logging (error kind, parsed answer, ...).
+    error: empty for a real verdict; for an error verdict (the call failed,
+      see ``ERROR_KINDS``) ``"<kind>: <detail>"``. Its reward is a 0.0
+      placeholder, not a judgement of the response.
   """
 
   reward: float
   feedback: str
   info: dict = dataclasses.field(default_factory=dict)
+  error: str = ""
+
+  @property
+  def is_error(self) -> bool:
+    """True when the verifier failed on this row (exclude it from groups)."""
+    return bool(self.error)
 
 
 Verifier = Callable[[Mapping[str, Any], str], Verdict]
 
 
 def error_verdict(kind: str, detail: str) -> Verdict:
-  """The verdict that stands in for a failed verifier call (reward 0)."""
-  return Verdict(0.0, f"{ERROR_PREFIX}: {kind}: {detail}", {"error": kind})
+  """The verdict that stands in for a failed verifier call.
+
+  Reward 0.0 (a placeholder), empty feedback, ``info={"error": kind}`` and
+  ``error="<kind>: <detail>"``.
+  """
+  return Verdict(0.0, "", {"error": kind}, f"{kind}: {detail}")
 
 
 def coerce_verdict(result: Any) -> Verdict:
   """Converts a verifier's return value into a ``Verdict``.
 
   Accepts a ``Verdict`` or a ``(reward, feedback[, info])`` tuple with a finite
-  reward. Anything else becomes a ``bad_return`` error verdict.
+  reward. Anything else becomes a ``bad_return`` error verdict, a non-finite
+  reward a ``bad_reward`` one. Error verdicts pass through unchanged.
   """
   if isinstance(result, tuple) and len(result) in (2, 3):
     info = dict(result[2]) if len(result) == 3 else {}
@@ -79,15 +116,36 @@ def coerce_verdict(result: Any) -> Verdict:
   if not isinstance(result, Verdict):
     return error_verdict(
         "bad_return", f"expected a Verdict, got {type(result).__name__}")
+  if result.is_error:
+    return result
   try:
     reward = float(result.reward)
   except (TypeError, ValueError):
-    reward = math.nan
+    return error_verdict("bad_return",
+                         f"reward is not a number: {result.reward!r}")
   if not math.isfinite(reward):
-    return error_verdict("bad_return", f"reward is not finite: {result.reward!r}")
+    return error_verdict("bad_reward", f"reward is not finite: {result.reward!r}")
   if reward != result.reward or not isinstance(result.feedback, str):
     result = Verdict(reward, str(result.feedback), dict(result.info or {}))
   return result
+
+
+def check_reward_range(verdict: Verdict,
+                       reward_range: tuple[float, float]) -> Verdict:
+  """``verdict``, or a ``bad_reward`` error verdict when its reward is not
+  finite or lies outside ``[lo, hi]`` (a reward of 1e39 is finite in float64
+  but inf in float32, and 1e9 would swamp every advantage and accuracy)."""
+  if verdict.is_error:
+    return verdict
+  lo, hi = reward_range
+  r = verdict.reward
+  if not math.isfinite(r):
+    return error_verdict("bad_reward", f"reward is not finite: {r!r}")
+  if not lo <= r <= hi:
+    return error_verdict(
+        "bad_reward", f"reward {r!r} is outside verifier reward_range "
+        f"[{lo:g}, {hi:g}]")
+  return verdict
 
 
 # ----------------------------------------------------------------------------
@@ -132,6 +190,36 @@ def list_verifiers() -> list[str]:
   return sorted(_REGISTRY)
 
 
+def _import_attr(name_or_path: str) -> Any:
+  module_name, attr = name_or_path.split(":", 1)
+  obj: Any = importlib.import_module(module_name)
+  for part in attr.split("."):
+    obj = getattr(obj, part)
+  return obj
+
+
+def verifier_factory(name_or_path: str) -> Any:
+  """The registered factory or import-path object for a verifier name,
+  without building it (raises like ``get_verifier`` for unknown names)."""
+  if ":" in name_or_path:
+    return _import_attr(name_or_path)
+  if name_or_path not in _REGISTRY:
+    _load_builtins([name_or_path])
+  if name_or_path not in _REGISTRY:
+    raise KeyError(
+        f"unknown verifier {name_or_path!r}; registered: {sorted(_REGISTRY)}; "
+        "or pass an import path 'package.module:attr'")
+  return _REGISTRY[name_or_path]
+
+
+def required_fields(name_or_path: str) -> tuple[str, ...]:
+  """Example keys the verifier cannot work without (its factory's
+  ``required_fields`` attribute; () when it declares none, and for "auto")."""
+  if name_or_path in ("", "none", AUTO):
+    return ()
+  return tuple(getattr(verifier_factory(name_or_path), "required_fields", ()))
+
+
 def get_verifier(name_or_path: str, **kwargs: Any) -> Verifier:
   """Returns a verifier by registered name or by ``"module.path:attr"``.
 
@@ -149,34 +237,37 @@ def get_verifier(name_or_path: str, **kwargs: Any) -> Verifier:
     ImportError / AttributeError: a bad import path.
   """
   if ":" in name_or_path:
-    module_name, attr = name_or_path.split(":", 1)
-    obj: Any = importlib.import_module(module_name)
-    for part in attr.split("."):
-      obj = getattr(obj, part)
+    obj = _import_attr(name_or_path)
     if isinstance(obj, type) or kwargs:
       obj = obj(**kwargs)
     if not callable(obj):
       raise TypeError(f"verifier {name_or_path!r} is not callable")
     return obj
-  if name_or_path not in _REGISTRY:
-    _load_builtins([name_or_path])
-  if name_or_path not in _REGISTRY:
-    raise KeyError(
-        f"unknown verifier {name_or_path!r}; registered: {sorted(_REGISTRY)}; "
-        "or pass an import path 'package.module:attr'")
-  return _REGISTRY[name_or_path](**kwargs)
+  return verifier_factory(name_or_path)(**kwargs)
 
 
 class DispatchVerifier:
-  """Routes each example to the verifier named by ``example["verifier"]``.
+  """The verifier of a data config: one named verifier, or per-example routing.
 
-  Examples without that key use ``default``. Verifiers are built on first
-  use with ``kwargs`` (registered names and classes) and cached, so a mixed
-  dataset (procedural + math + code) needs one pool.
+  Args:
+    default: a verifier name or import path, applied to **every** example
+      (an example's own ``"verifier"`` key is ignored: the configured one
+      wins); or ``"auto"``: each example names its verifier in
+      ``example["verifier"]`` (an example without one gets a ``bad_example``
+      error verdict).
+    per_example: override the routing (default: ``default == "auto"``);
+      with True, examples without a key use ``default``.
+    **kwargs: options passed to every verifier factory.
+
+  Verifiers are built on first use and cached, so a mixed dataset
+  (procedural + math + code) needs one pool. Picklable (the cache is not
+  pickled), so it runs on the pool's process backend.
   """
 
-  def __init__(self, default: str, **kwargs: Any):
+  def __init__(self, default: str, *, per_example: bool | None = None,
+               **kwargs: Any):
     self.default = default
+    self.per_example = (default == AUTO) if per_example is None else per_example
     self.kwargs = kwargs
     self._cache: dict[str, Verifier] = {}
 
@@ -185,23 +276,69 @@ class DispatchVerifier:
       self._cache[name] = get_verifier(name, **self.kwargs)
     return self._cache[name]
 
+  def name_for(self, example: Mapping[str, Any]) -> str | None:
+    """The verifier name this example is routed to (None: it names none)."""
+    if not self.per_example:
+      return self.default
+    name = example.get("verifier")
+    if name:
+      return str(name)
+    return None if self.default == AUTO else self.default
+
   def __call__(self, example: Mapping[str, Any], response: str) -> Verdict:
-    return coerce_verdict(
-        self.get(example.get("verifier") or self.default)(example, response))
+    name = self.name_for(example)
+    if name is None:
+      return error_verdict(
+          "bad_example", "the example has no 'verifier' key and "
+          "data.verifier='auto'; set data.verifier to a verifier name")
+    return coerce_verdict(self.get(name)(example, response))
+
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    state["_cache"] = {}  # built verifiers may hold locks / sandboxes
+    return state
 
 
 def make_verifier(data_config) -> Verifier:
   """The verifier a data config asks for (``data.default_data_config()``).
 
-  Uses ``data_config.verifier`` as the default name, per-example
-  ``"verifier"`` keys when present, and passes ``feedback_reveals_answer=True``
-  only when the config turns it on (so a plain-function verifier given by
-  import path works with the default config).
+  ``data_config.verifier`` is a registered name or ``"pkg.module:attr"``,
+  used for every example, or ``"auto"`` to route each example by its own
+  ``"verifier"`` key (see ``DispatchVerifier``). An explicit name is built
+  here, so a typo fails now rather than at the first verification. Passes
+  ``feedback_reveals_answer=True`` only when the config turns it on (so a
+  plain-function verifier given by import path works with the default
+  config).
   """
   kwargs = {}
   if data_config.get("feedback_reveals_answer", False):
     kwargs["feedback_reveals_answer"] = True
-  return DispatchVerifier(data_config.verifier, **kwargs)
+  verify = DispatchVerifier(data_config.verifier, **kwargs)
+  if not verify.per_example:
+    verify.get(verify.default)
+  return verify
+
+
+def make_verifier_pool(data_config, verifier_config=None,
+                       **overrides: Any) -> "VerifierPool":
+  """``VerifierPool(make_verifier(data_config), ...)`` from the config sections.
+
+  Reads ``verifier_config`` (``config.verifier``) fields ``workers``,
+  ``timeout_s``, ``backend`` ("thread" | "process"), ``reward_range`` and
+  ``max_abandoned_threads`` when present (pool defaults otherwise);
+  ``overrides`` win over both.
+  """
+  vc = verifier_config if verifier_config is not None else {}
+  get = vc.get if hasattr(vc, "get") else (lambda k, d=None: d)
+  kwargs = {}
+  for field, arg in (("workers", "num_workers"), ("timeout_s", "timeout_s"),
+                     ("backend", "backend"), ("reward_range", "reward_range"),
+                     ("max_abandoned_threads", "max_abandoned_threads")):
+    value = get(field, None)
+    if value is not None:
+      kwargs[arg] = tuple(value) if arg == "reward_range" else value
+  kwargs.update(overrides)
+  return VerifierPool(make_verifier(data_config), **kwargs)
 
 
 # ----------------------------------------------------------------------------
@@ -217,7 +354,9 @@ def _call(verifier: Verifier, example, response) -> tuple[str, Any]:
 
 
 def _process_worker_main(conn, verifier) -> None:
-  """Loop of a process-backend worker: receive (i, ex, resp), send result."""
+  """Loop of a process-backend worker: say "ready", then receive
+  (i, ex, resp) and send results."""
+  conn.send("ready")
   while True:
     try:
       msg = conn.recv()
@@ -240,6 +379,19 @@ class _ProcessWorker:
         target=_process_worker_main, args=(child, verifier), daemon=True)
     self.proc.start()
     child.close()
+    self.ready = False
+
+  def wait_ready(self, timeout_s: float) -> bool:
+    """Waits for the worker's start-up (interpreter + imports); its time does
+    not count against a call's timeout. False if it died or took too long."""
+    if self.ready:
+      return True
+    try:
+      if self.conn.poll(timeout_s) and self.conn.recv() == "ready":
+        self.ready = True
+    except (EOFError, OSError):
+      pass
+    return self.ready
 
   def kill(self) -> None:
     try:
@@ -261,7 +413,10 @@ class VerifierPool:
       process exits. ``stats["verifier/abandoned_threads"]`` counts the ones
       still alive; a new call never waits for them. Use this backend for
       verifiers that release the GIL or do their heavy work in a subprocess
-      (the code verifier's sandbox does).
+      (the code verifier's sandbox does). At most ``max_abandoned_threads``
+      may be alive at once: past that cap the pool switches itself to the
+      process backend (with a warning) when the verifier is picklable, and
+      raises ``RuntimeError`` otherwise, rather than leak without bound.
     * ``"process"``: ``num_workers`` persistent worker processes (``spawn``
       start method, safe alongside JAX's threads). A call past its timeout
       gets its worker SIGKILLed and replaced, so hangs are truly ended. The
@@ -271,6 +426,26 @@ class VerifierPool:
   The timeout of a call starts when the call starts, not when the batch is
   submitted, so a batch of N calls takes at most about
   ``ceil(N / num_workers) * timeout_s``.
+
+  Every verdict's reward is checked against ``reward_range``: a reward that is
+  not finite or lies outside it becomes a ``bad_reward`` error verdict.
+  Error verdicts (``Verdict.is_error``) carry their text in ``Verdict.error``,
+  never in ``feedback``; callers must leave those rows out of groups.
+  SFT and evaluation can use the same pool (``run`` on any batch) to get the
+  same timeouts and fault isolation.
+
+  Args:
+    verifier: the verifier (e.g. ``make_verifier(config.data)``).
+    num_workers: concurrent calls (threads or worker processes).
+    timeout_s: per-call limit, counted from the call's start (a worker
+      process's start-up is not counted).
+    backend: "thread" or "process" (config: ``verifier.backend``).
+    mp_start_method: the process backend's start method.
+    reward_range: ``(lo, hi)``, finite; rewards outside are ``bad_reward``
+      errors (config: ``verifier.reward_range``).
+    max_abandoned_threads: cap on hung threads alive at once (thread
+      backend; config: ``verifier.max_abandoned_threads``).
+    startup_timeout_s: how long a new worker process may take to start.
   """
 
   def __init__(
@@ -281,15 +456,34 @@ class VerifierPool:
       timeout_s: float = 10.0,
       backend: str = "thread",
       mp_start_method: str = "spawn",
+      reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE,
+      max_abandoned_threads: int = 16,
+      startup_timeout_s: float = 120.0,
   ):
     if backend not in ("thread", "process"):
-      raise ValueError(f"backend must be 'thread' or 'process', got {backend!r}")
+      raise ValueError(
+          f"verifier backend must be 'thread' or 'process', got {backend!r}")
     if num_workers < 1 or timeout_s <= 0:
       raise ValueError("num_workers must be >= 1 and timeout_s > 0")
+    try:
+      lo, hi = (float(x) for x in reward_range)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"reward_range must be a pair (lo, hi): {reward_range!r}") from e
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi
+            and max(abs(lo), abs(hi)) < 3.0e38):  # float32 holds the bounds
+      raise ValueError(
+          f"reward_range must be finite with lo < hi: {reward_range!r}")
+    if max_abandoned_threads < 0:
+      raise ValueError("max_abandoned_threads must be >= 0")
     self.verifier = verifier
     self.num_workers = int(num_workers)
     self.timeout_s = float(timeout_s)
     self.backend = backend
+    self.reward_range = (lo, hi)
+    self.max_abandoned_threads = int(max_abandoned_threads)
+    self.mp_start_method = mp_start_method
+    self.startup_timeout_s = float(startup_timeout_s)
+    self._startup_failure = ""
     self._logged_kinds: set[str] = set()
     self._abandoned: list[threading.Thread] = []
     self._workers: list[_ProcessWorker] = []
@@ -298,13 +492,16 @@ class VerifierPool:
     self.totals: dict[str, int] = {"calls": 0, "errors": 0}
     self.totals.update({k: 0 for k in ERROR_KINDS})
     if backend == "process":
-      try:
-        pickle.dumps(verifier)
-      except Exception as e:
-        raise ValueError(
-            "the process backend needs a picklable verifier (a module-level "
-            f"function or class instance): {e}") from e
+      self._check_picklable()
       self._ctx = multiprocessing.get_context(mp_start_method)
+
+  def _check_picklable(self) -> None:
+    try:
+      pickle.dumps(self.verifier)
+    except Exception as e:
+      raise ValueError(
+          "the process backend needs a picklable verifier (a module-level "
+          f"function or class instance): {e}") from e
 
   # -- public API --------------------------------------------------------------
 
@@ -318,10 +515,14 @@ class VerifierPool:
       responses: length-N sequence of decoded response strings.
 
     Returns:
-      ``(verdicts, stats)``: N verdicts in input order, and a flat metrics dict
-      with keys ``verifier/{calls, errors, error_rate, exception, timeout,
-      bad_return, crash, latency_mean_s, latency_max_s, wall_s,
-      abandoned_threads}``.
+      ``(verdicts, stats)``: N verdicts in input order (``v.is_error`` marks
+      the rows whose verification failed), and a flat metrics dict with keys
+      ``verifier/{calls, errors, error_rate, <each of ERROR_KINDS>,
+      latency_mean_s, latency_max_s, wall_s, abandoned_threads}``.
+
+    Raises:
+      RuntimeError: more than ``max_abandoned_threads`` hung threads are
+        alive and the verifier cannot move to the process backend.
     """
     if len(examples) != len(responses):
       raise ValueError(
@@ -338,25 +539,24 @@ class VerifierPool:
     for i, (status, payload, latency) in enumerate(raw):
       latencies.append(latency)
       if status == "ok":
-        verdict = payload
+        verdict = check_reward_range(payload, self.reward_range)
       else:
         verdict = error_verdict(status, payload)
-      kind = verdict.info.get("error") if verdict.feedback.startswith(
-          ERROR_PREFIX) else None
-      if kind in counts:
-        counts[kind] += 1
+      if verdict.is_error:
+        kind = str(verdict.info.get("error", "exception"))
+        counts[kind] = counts.get(kind, 0) + 1
         if kind not in self._logged_kinds:
           self._logged_kinds.add(kind)
           logging.warning(
-              "%s (first of its kind in this pool; example id %s). Later "
+              "%s: %s (example id %s; first of its kind in this pool). Later "
               "errors of this kind are counted in verifier/%s, not logged.",
-              verdict.feedback, examples[i].get("id", i), kind)
+              ERROR_PREFIX, verdict.error, examples[i].get("id", i), kind)
       verdicts.append(verdict)
     errors = sum(counts.values())
     self.totals["calls"] += n
     self.totals["errors"] += errors
     for k, v in counts.items():
-      self.totals[k] += v
+      self.totals[k] = self.totals.get(k, 0) + v
     self._abandoned = [t for t in self._abandoned if t.is_alive()]
     stats = {
         "verifier/calls": float(n),
@@ -368,7 +568,30 @@ class VerifierPool:
         "verifier/abandoned_threads": float(len(self._abandoned)),
     }
     stats.update({f"verifier/{k}": float(v) for k, v in counts.items()})
+    if self.backend == "thread" and len(self._abandoned) > self.max_abandoned_threads:
+      self._abandoned_cap_reached()
     return verdicts, stats
+
+  def verify_one(self, example: Mapping[str, Any], response: str) -> Verdict:
+    """One call with the pool's timeout, fault isolation and range check."""
+    return self.run([example], [response])[0][0]
+
+  def _abandoned_cap_reached(self) -> None:
+    """Too many hung threads: move to processes (which can be killed), or fail."""
+    detail = (f"{len(self._abandoned)} verifier calls hung past "
+              f"timeout_s={self.timeout_s:g} and their threads are still alive "
+              f"(max_abandoned_threads={self.max_abandoned_threads}); a thread "
+              "cannot be killed")
+    try:
+      self._check_picklable()
+    except ValueError as e:
+      raise RuntimeError(
+          f"{detail}. Use verifier.backend='process' (its hung calls are "
+          f"killed), which needs a picklable verifier: {e}") from None
+    logging.warning("%s: switching this pool to verifier.backend='process', "
+                    "whose hung calls are killed.", detail)
+    self._ctx = multiprocessing.get_context(self.mp_start_method)
+    self.backend = "process"
 
   __call__ = run
 
@@ -436,17 +659,39 @@ class VerifierPool:
           out[i] = ("timeout", self._timeout_detail(), now - start)
     return out
 
+  def _new_workers(self, n: int) -> list[_ProcessWorker]:
+    """Starts ``n`` workers in parallel and returns those that came up."""
+    started = [_ProcessWorker(self._ctx, self.verifier) for _ in range(n)]
+    ready = []
+    for w in started:
+      if w.wait_ready(self.startup_timeout_s):
+        ready.append(w)
+      else:
+        self._startup_failure = (
+            f"verifier worker process failed to start within "
+            f"{self.startup_timeout_s:g} s (exit code {w.proc.exitcode})")
+        w.kill()
+    self._workers.extend(ready)
+    return ready
+
   def _run_processes(self, examples, responses):
     """Returns a list of (status, payload, latency_s) in input order."""
     out: list[Any] = [None] * len(examples)
+    want = min(self.num_workers, len(examples))
+    if len(self._workers) < want:  # start-up is not part of any call's time
+      self._new_workers(want - len(self._workers))
     idle = list(self._workers)
     busy: dict[Any, tuple[_ProcessWorker, int, float]] = {}  # conn -> ...
     next_i = 0
     while next_i < len(examples) or busy:
       while next_i < len(examples) and len(busy) < self.num_workers:
-        worker = idle.pop() if idle else _ProcessWorker(self._ctx, self.verifier)
-        if worker not in self._workers:
-          self._workers.append(worker)
+        if not idle:
+          idle = self._new_workers(1)
+          if not idle:
+            out[next_i] = ("crash", self._startup_failure, 0.0)
+            next_i += 1
+            continue
+        worker = idle.pop()
         try:
           worker.conn.send((next_i, examples[next_i], responses[next_i]))
         except Exception as e:  # pylint: disable=broad-except
@@ -457,6 +702,8 @@ class VerifierPool:
           continue
         busy[worker.conn] = (worker, next_i, time.monotonic())
         next_i += 1
+      if not busy:
+        continue
       deadline = min(t for _, _, t in busy.values()) + self.timeout_s
       ready = multiprocessing.connection.wait(
           list(busy), timeout=max(0.0, deadline - time.monotonic()))

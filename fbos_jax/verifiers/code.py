@@ -21,6 +21,10 @@ expected and actual output, or the tail of its error, each truncated to
   input: 3 4
   expected: 7
   got: 12
+
+An example without tests is a ``bad_example`` error verdict, and a sandbox that
+cannot run (e.g. no namespaces on this host, see ``sandbox.py``) a ``sandbox``
+error verdict: neither is ever a reward.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ import re
 from typing import Any, Mapping
 
 from fbos_jax.verifiers.base import CORRECT_FEEDBACK
+from fbos_jax.verifiers.base import error_verdict
 from fbos_jax.verifiers.base import register_verifier
 from fbos_jax.verifiers.base import Verdict
 from fbos_jax.verifiers.sandbox import Sandbox
+from fbos_jax.verifiers.sandbox import SandboxError
 from fbos_jax.verifiers.sandbox import SandboxLimits
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -86,7 +92,11 @@ class CodeVerifier:
     sandbox: an existing ``Sandbox`` to share (else one is made).
     feedback_reveals_answer: accepted for a uniform interface; the feedback
       shows a failing test (that is the spec), never a reference solution.
+    isolation: the ``Sandbox`` isolation when one is made here
+      ("namespaces", the default, refuses to run without them).
   """
+
+  required_fields = ("tests",)  # the data loader refuses records without it
 
   def __init__(
       self,
@@ -98,6 +108,7 @@ class CodeVerifier:
       max_field_chars: int = 200,
       sandbox: Sandbox | None = None,
       feedback_reveals_answer: bool = False,
+      isolation: str = "namespaces",
   ):
     if reward_mode not in ("all", "fraction"):
       raise ValueError("reward_mode must be 'all' or 'fraction'")
@@ -105,16 +116,23 @@ class CodeVerifier:
     self.limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s,
                                 memory_mb=memory_mb,
                                 max_processes=max_processes)
-    self.sandbox = sandbox or Sandbox(self.limits)
+    self.sandbox = sandbox or Sandbox(self.limits, isolation=isolation)
     self.reward_mode = reward_mode
     self.max_field_chars = max_field_chars
 
   def __call__(self, example: Mapping[str, Any], response: str) -> Verdict:
-    tests = example["tests"]
+    tests = example.get("tests")
     if isinstance(tests, str):
       tests = json.loads(tests)
     if not tests:
-      raise ValueError("the example has no tests")
+      return error_verdict("bad_example", f"the example has no tests ({tests!r}); "
+                           f"example id {example.get('id', '?')}")
+    try:
+      return self._verify(example, response, tests)
+    except SandboxError as e:
+      return error_verdict("sandbox", str(e))
+
+  def _verify(self, example, response, tests) -> Verdict:
     code = extract_code(response)
     if not code.strip():
       return Verdict(0.0, "no code found in the response",

@@ -17,6 +17,10 @@ Feedback categories (``info["category"]``), in the order they are checked:
       - the kind of object (number vs interval vs set vs ...), when it differs.
   * ``correct``: equivalent (math-verify ``verify(gold, pred)``).
 
+An example whose reference answer is missing (no key, ``None`` or blank) gets
+a ``bad_example`` error verdict, never a reward: ``str(None)`` would otherwise
+make ``\\boxed{None}`` "correct".
+
 math-verify's own timeouts use ``signal.alarm``, which only works in the main
 thread; in worker threads they are disabled and the ``VerifierPool`` timeout is
 what bounds a slow call.
@@ -29,6 +33,7 @@ import threading
 from typing import Any, Mapping
 
 from fbos_jax.verifiers.base import CORRECT_FEEDBACK
+from fbos_jax.verifiers.base import error_verdict
 from fbos_jax.verifiers.base import register_verifier
 from fbos_jax.verifiers.base import Verdict
 
@@ -118,6 +123,8 @@ class MathVerifier:
       from the main thread (see module doc).
   """
 
+  required_fields = ("answer",)  # the data loader refuses records without it
+
   def __init__(
       self,
       feedback_reveals_answer: bool = False,
@@ -180,7 +187,13 @@ class MathVerifier:
   def __call__(self, example: Mapping[str, Any], response: str) -> Verdict:
     from math_verify import verify  # pylint: disable=g-import-not-at-top
 
-    gold_text = str(example[self.answer_field]).strip()
+    gold_raw = example.get(self.answer_field)
+    gold_text = "" if gold_raw is None else str(gold_raw).strip()
+    if not gold_text:
+      return error_verdict(
+          "bad_example", f"the example's reference answer "
+          f"{self.answer_field!r} is missing ({gold_raw!r}); example id "
+          f"{example.get('id', '?')}")
     answer, category, feedback = self.extract(response)
     info: dict[str, Any] = {"extracted": answer}
     if answer is None:

@@ -31,6 +31,8 @@ class ProceduralVerifier:
       (0 = binary reward).
   """
 
+  required_fields = ("task", "answer")  # the data loader refuses records without them
+
   def __init__(self, feedback_reveals_answer: bool = False,
                partial_credit: float = 0.0):
     if not 0.0 <= partial_credit < 1.0:

@@ -11,14 +11,18 @@ What a run gets (``Sandbox.run(source, stdin)``), in layers:
      * a PID namespace whose init is the program itself: when the program
        exits or is killed, the kernel kills every process it left behind,
        even ones that called ``setsid`` to leave the process group;
-     * a mount namespace in which every existing mount is remounted
-       **read-only**, fresh size-capped ``tmpfs`` are mounted over ``/tmp``,
-       ``/var/tmp`` and ``/dev/shm`` (private, gone after the run), and only
-       the working directory is writable. If the interpreter lives under a
-       directory other users cannot enter (e.g. pyenv under ``/root``), that
-       directory is covered by an empty tmpfs with only the interpreter's
-       tree bound back in, so the run's uid can start Python and sees nothing
-       else there.
+     * a mount namespace with a **minimal root filesystem** (``pivot_root``
+       into an empty tmpfs): read-only binds of the system's ``/usr``,
+       ``/bin``, ``/lib*`` and dynamic-linker cache (``SYSTEM_PATHS``) and of
+       the interpreter's own tree, ``/dev/{null,zero,full,random,urandom}``,
+       the PID namespace's ``/proc``, fresh size-capped ``tmpfs`` on ``/tmp``,
+       ``/var/tmp`` and ``/dev/shm`` (private, gone after the run), and the
+       working directory, the only writable host path. Nothing else of the
+       host exists in there: not the datasets, the repository, home
+       directories, ``/etc/passwd``, other mounts (a solution that opens its
+       own test file gets ``FileNotFoundError``). A probe checks this on
+       every new ``Sandbox`` (a host file must be invisible) and fails
+       closed.
 3. **rlimits**: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``),
    process count (``RLIMIT_NPROC``), file size (``RLIMIT_FSIZE``, which also
    caps stdout/stderr), open files, no core dumps.
@@ -35,10 +39,12 @@ What a run gets (``Sandbox.run(source, stdin)``), in layers:
    (ctypes or a child process can bypass it); the OS layers above are.
 
 ``Sandbox.capabilities()`` reports which layers are active on this host (it
-probes once, by running a tiny program through the full stack, and falls back
-to fewer layers with a logged warning when the host refuses namespaces, as
-Docker's default seccomp profile does; ``isolation="namespaces"`` makes that
-an error instead).
+probes once, by running a tiny program through the full stack). When the host
+refuses namespaces (as Docker's default seccomp profile does), the default
+``isolation="namespaces"`` makes every run raise ``SandboxError`` (the code
+verifier turns that into an error verdict, never a reward): untrusted code is
+never run unconfined by accident. ``isolation="auto"`` falls back to fewer
+layers with a logged warning, ``"none"`` skips them; both are for trusted code.
 
 This file also runs as a script: ``python -I sandbox.py --boot <json>`` is the
 in-sandbox bootstrap (it imports only the standard library).
@@ -78,67 +84,115 @@ def _mount(src, target, fstype, flags, data=None) -> None:
     raise OSError(err, f"mount {src} on {target}: {os.strerror(err)}")
 
 
-def _hidden_ancestor(path: str) -> str | None:
-  """The top-most proper ancestor of ``path`` that other users cannot
-  traverse (no o+x), or None."""
-  parts = path.strip("/").split("/")
-  for i in range(len(parts) - 1):
-    a = "/" + "/".join(parts[:i + 1])
-    try:
-      if not os.stat(a).st_mode & 0o001:
-        return a
-    except OSError:
-      return None
-  return None
+# pivot_root(2) has no libc wrapper: its syscall number per architecture.
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41,
+                   "loongarch64": 41, "ppc64le": 203, "ppc64": 203,
+                   "s390x": 217}
+_MNT_DETACH = 2
+# statvfs f_flag bits that are per-mount flags a user namespace may lock.
+_ST_TO_MS = ((1, _MS_RDONLY), (2, _MS_NOSUID), (4, _MS_NODEV),
+             (8, _MS_NOEXEC), (1024, _MS_NOATIME), (2048, _MS_NODIRATIME),
+             (4096, _MS_RELATIME))
+_DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
-def _private_fs(root: str, work: str, tmpfs_mb: int, expose: list[str]) -> None:
-  """Inside a fresh mount namespace: everything read-only but ``work``;
-  private tmpfs on /tmp, /var/tmp, /dev/shm; and each path in ``expose`` made
-  reachable when an ancestor is closed to other users (e.g. an interpreter
-  under /root): that ancestor is covered by an empty read-only tmpfs and only
-  the exposed path is bound back in, so the rest of it stays hidden."""
-  fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in [root, work]}
-  overlays: dict[str, list[str]] = {}
-  for p in expose:
-    a = _hidden_ancestor(p)
-    if a is not None and os.path.isdir(p):
-      overlays.setdefault(a, []).append(p)
-      fds.setdefault(p, os.open(p, os.O_PATH | os.O_DIRECTORY))
-  with open("/proc/self/mountinfo") as f:
-    mounts = []
-    for line in f:
-      fields = line.split()
-      mp = fields[4].encode().decode("unicode_escape")  # "\040" -> " "
-      mounts.append((mp, fields[5].split(",")))
-  for mp, opts in mounts:
-    if mp == "/proc" or mp.startswith(("/proc/", "/sys", "/dev")):
+def _locked_flags(path: str) -> int:
+  """The mount flags of the mount holding ``path`` (kept on a remount: a
+  user namespace may not clear them)."""
+  f_flag = os.statvfs(path).f_flag
+  return sum(ms for st, ms in _ST_TO_MS if f_flag & st)
+
+
+def _bind(src: str, target: str, *, read_only: bool, nodev: bool = True) -> None:
+  """Bind-mounts ``src`` on ``target`` (non-recursive where the kernel
+  allows, so sub-mounts stay hidden), then remounts it nosuid (+ ro, nodev)."""
+  try:
+    _mount(src, target, None, _MS_BIND)
+  except OSError as e:
+    import errno  # pylint: disable=g-import-not-at-top
+    if e.errno != errno.EINVAL:  # a user namespace may insist on MS_REC
+      raise
+    _mount(src, target, None, _MS_BIND | _MS_REC)
+  flags = _MS_REMOUNT | _MS_BIND | _MS_NOSUID | _locked_flags(src)
+  flags |= (_MS_RDONLY if read_only else 0) | (_MS_NODEV if nodev else 0)
+  _mount(None, target, None, flags)
+
+
+def _mountpoint(target: str, like: str) -> None:
+  """Creates an empty directory or file at ``target`` to mount ``like`` on."""
+  if os.path.lexists(target):
+    return
+  os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+  if os.path.isdir(like):
+    os.makedirs(target, mode=0o755, exist_ok=True)
+  else:
+    os.close(os.open(target, os.O_WRONLY | os.O_CREAT, 0o644))
+
+
+def _private_fs(root: str, work: str, tmpfs_mb: int, expose: list[str],
+                links: dict[str, str]) -> None:
+  """Inside a fresh mount namespace: switch to a minimal root filesystem.
+
+  The new root is an empty tmpfs (mounted over ``root``, the run's own temp
+  directory) holding only: read-only binds of each path in ``expose`` (the
+  system's ``/usr``, ``/bin``, ``/lib*``, the dynamic-linker cache and the
+  interpreter's own tree), the symlinks in ``links`` (e.g. a venv's
+  ``python`` -> the real interpreter), a few device nodes, this PID
+  namespace's ``/proc``, private size-capped tmpfs on ``/tmp``, ``/var/tmp``
+  and ``/dev/shm``, and ``work`` (read-write) at its own path. Then
+  ``pivot_root`` into it and detach the old root, so no other host file
+  (datasets, the repository, home directories, ``/etc``) can be reached.
+  Any step that fails raises: the bootstrap reports a setup failure and the
+  program never runs (fail closed).
+  """
+  import ctypes  # pylint: disable=g-import-not-at-top
+  import platform  # pylint: disable=g-import-not-at-top
+
+  arch = platform.machine()
+  if arch not in _SYS_PIVOT_ROOT:
+    raise OSError(f"pivot_root: unknown syscall number on {arch!r}")
+  libc = ctypes.CDLL(None, use_errno=True)
+  work_fd = os.open(work, os.O_PATH | os.O_DIRECTORY)
+  work_flags = _locked_flags(work)  # before ``root`` (and ``work``) is covered
+  new = root.rstrip("/")
+  _mount("tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
+  for p in sorted(expose, key=len):  # ancestors before what they contain
+    target = new + p
+    if os.path.islink(p):
+      if not os.path.lexists(target):
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        os.symlink(os.readlink(p), target)
       continue
-    flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
-    for o in opts:
-      flags |= _MOUNT_OPTS.get(o, 0)
-    try:
-      _mount(None, mp, None, flags)
-    except OSError:
-      if "ro" not in opts:  # a writable mount we cannot lock: fail closed
-        raise
+    _mountpoint(target, p)
+    _bind(p, target, read_only=True)
+  for d in _DEVICES:
+    if os.path.exists(f"/dev/{d}"):
+      _mountpoint(f"{new}/dev/{d}", f"/dev/{d}")
+      _bind(f"/dev/{d}", f"{new}/dev/{d}", read_only=False, nodev=False)
+  _mountpoint(f"{new}/proc", "/proc")
+  _mount("/proc", f"{new}/proc", None, _MS_BIND | _MS_REC)
   for d in ("/tmp", "/var/tmp", "/dev/shm"):
-    if os.path.isdir(d) and not os.path.islink(d):
-      _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV,
-             f"size={tmpfs_mb}m,mode=1777")
-  for a, paths in overlays.items():
-    _mount("tmpfs", a, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=0755")
-    for p in paths:
-      os.makedirs(p, exist_ok=True)
-      _mount(f"/proc/self/fd/{fds[p]}", p, None, _MS_BIND)
-    _mount(None, a, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-  if not os.path.isdir(work):  # the root dir was under a fresh tmpfs
-    os.makedirs(root, exist_ok=True)
-    _mount(f"/proc/self/fd/{fds[root]}", root, None, _MS_BIND)
-  _mount(f"/proc/self/fd/{fds[work]}", work, None, _MS_BIND)
-  _mount(None, work, None, _MS_REMOUNT | _MS_BIND | _MS_NOSUID | _MS_NODEV)
-  for fd in fds.values():
-    os.close(fd)
+    os.makedirs(new + d, mode=0o755, exist_ok=True)
+    _mount("tmpfs", new + d, "tmpfs", _MS_NOSUID | _MS_NODEV,
+           f"size={tmpfs_mb}m,mode=1777")
+  for link, dest in links.items():
+    if not os.path.lexists(new + link):
+      os.makedirs(os.path.dirname(new + link), mode=0o755, exist_ok=True)
+      os.symlink(dest, new + link)
+  _mountpoint(new + work, "/")
+  _mount(f"/proc/self/fd/{work_fd}", new + work, None, _MS_BIND)
+  _mount(None, new + work, None,
+         _MS_REMOUNT | _MS_BIND | _MS_NOSUID | _MS_NODEV | work_flags)
+  os.close(work_fd)
+  _mount(None, new, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+  os.chdir(new)
+  if libc.syscall(ctypes.c_long(_SYS_PIVOT_ROOT[arch]), b".", b".") != 0:
+    err = ctypes.get_errno()
+    raise OSError(err, f"pivot_root: {os.strerror(err)}")
+  if libc.umount2(b".", ctypes.c_int(_MNT_DETACH)) != 0:  # the old root
+    err = ctypes.get_errno()
+    raise OSError(err, f"umount2(old root): {os.strerror(err)}")
+  os.chdir("/")
 
 
 def _install_guard(work: str) -> None:
@@ -187,8 +241,8 @@ def _boot(cfg: dict) -> None:
 
   try:
     if cfg["private_fs"]:
-      _private_fs(cfg["root"], cfg["work"], cfg["file_mb"] * 4,
-                  cfg["expose"] if cfg["uid"] is not None else [])
+      _private_fs(cfg["root"], cfg["work"], cfg["file_mb"] * 4, cfg["expose"],
+                  cfg["links"])
     mb = 1 << 20
     for res, val in ((resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1)),
                      (resource.RLIMIT_AS, (cfg["memory_mb"] * mb,) * 2),
@@ -307,7 +361,17 @@ class RunResult:
     return self.status == "ok"
 
 
-_PROBE_PROGRAM = "import heapq, json, subprocess, traceback\nprint('ok')\n"
+# Imports unloaded stdlib modules (checks the run's uid can read them) and
+# says whether a host file outside the exposed paths is visible from inside.
+_PROBE_PROGRAM = ("import heapq, json, os, subprocess, traceback\nprint('ok')\n"
+                  "print('visible' if os.path.exists({host_file!r}) else 'hidden')\n")
+_PROBE_HOST_FILES = ("/etc/passwd", "/etc/hostname", "/etc/hosts")
+# Host paths a run sees, read-only, besides its interpreter's tree: system
+# binaries and shared libraries (symlinks such as /bin -> usr/bin are
+# recreated, not bound) and the dynamic linker's cache. Nothing else of the
+# host (no /etc/passwd, /home, /root, /work, /data, /mnt, the repository).
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32",
+                "/etc/ld.so.cache", "/etc/alternatives")
 _UNSHARE_ROOT = ["unshare", "--net", "--pid", "--fork", "--kill-child",
                  "--mount-proc"]
 _UNSHARE_USER = ["unshare", "--user", "--map-root-user", "--net", "--pid",
@@ -389,8 +453,10 @@ class Sandbox:
     limits: default ``SandboxLimits`` (``run`` can override per call).
     python: the interpreter for the program (must be readable by the
       sandbox uid when the trainer runs as root).
-    isolation: "auto" (namespaces if this host allows them, else none, with
-      a warning), "namespaces" (raise if unavailable), or "none".
+    isolation: "namespaces" (the default: refuse to run, with
+      ``SandboxError``, when this host does not allow them), "auto"
+      (namespaces if available, else run unconfined with a warning), or
+      "none" (never; trusted code only).
     uid_base: first uid used for runs when the trainer is root.
     max_concurrency: how many runs may be in flight at once (uid slots).
     python_guard: install the audit hook (see module doc).
@@ -401,7 +467,7 @@ class Sandbox:
       limits: SandboxLimits = SandboxLimits(),
       *,
       python: str = sys.executable,
-      isolation: str = "auto",
+      isolation: str = "namespaces",
       uid_base: int = 61000,
       max_concurrency: int = 64,
       python_guard: bool = True,
@@ -419,20 +485,34 @@ class Sandbox:
     self._lock = threading.Lock()  # guards the free-slot list
     self._probe_lock = threading.Lock()
     self._caps: dict[str, Any] | None = None
+    self._probe_error: str | None = None
+    self._exposed: list[str] | None = None
 
   # -- capabilities --------------------------------------------------------
 
   def capabilities(self) -> dict[str, Any]:
     """Which isolation layers are active here (probes once, then cached).
 
-    Returns a dict with keys: ``namespaces`` (net+pid+mount), ``read_only_fs``,
-    ``drop_uid`` (root trainer runs programs under another uid),
-    ``nproc_enforced``, ``python_guard``, ``prefix`` (the unshare command),
-    and ``notes`` (why a layer is off).
+    Returns a dict with keys: ``namespaces`` (net+pid+mount), ``read_only_fs``
+    (the minimal root filesystem), ``drop_uid`` (root trainer runs programs
+    under another uid), ``nproc_enforced``, ``python_guard``, ``prefix`` (the
+    unshare command), and ``notes`` (why a layer is off).
+
+    Raises:
+      SandboxError: with ``isolation="namespaces"`` (the default), when this
+        host cannot run a program in namespaces with the minimal root (the
+        error is cached: every later run raises it too, nothing runs
+        unconfined).
     """
     with self._probe_lock:
+      if self._probe_error is not None:
+        raise SandboxError(self._probe_error)
       if self._caps is None:
-        self._caps = self._probe()
+        try:
+          self._caps = self._probe()
+        except SandboxError as e:
+          self._probe_error = str(e)
+          raise
       return dict(self._caps)
 
   def _probe(self) -> dict[str, Any]:
@@ -444,7 +524,9 @@ class Sandbox:
       options.append(_UNSHARE_ROOT if self._is_root else _UNSHARE_USER)
     elif self.isolation != "none":
       notes.append("the unshare command is not installed")
-    options.append(None)
+    if self.isolation != "namespaces":
+      options.append(None)
+    probe = _PROBE_PROGRAM.format(host_file=self._probe_host_file())
     for prefix in options:
       for drop in ([True, False] if self._is_root else [False]):
         caps = {"namespaces": prefix is not None, "read_only_fs": prefix is not None,
@@ -453,29 +535,69 @@ class Sandbox:
         caps["nproc_enforced"] = drop or not self._is_root
         self._caps = caps
         try:
-          # Importing unloaded stdlib modules checks the uid can read them.
-          res = self._run(caps, _PROBE_PROGRAM, "", SandboxLimits(wall_s=20))
-          if res.stdout.strip() == "ok":
+          res = self._run(caps, probe, "", SandboxLimits(wall_s=20))
+          lines = res.stdout.split()
+          if lines[:1] == ["ok"] and prefix is not None and lines[1:] != ["hidden"]:
+            notes.append(f"probe prefix={prefix}: host files are visible "
+                         "inside the sandbox")  # fail closed
+          elif lines[:1] == ["ok"]:
             caps["notes"] = notes
-            if prefix is None and self.isolation == "namespaces":
-              raise SandboxError(f"namespaces unavailable: {notes}")
-            if prefix is None and self.isolation == "auto":
+            if prefix is None:
               logging.warning("code sandbox: running WITHOUT namespaces "
-                              "(no OS-level network/filesystem isolation): %s",
-                              notes)
+                              "(isolation=%r; no OS-level network/filesystem "
+                              "isolation): %s", self.isolation, notes)
             if self._is_root and not drop:
               logging.warning("code sandbox: cannot switch to an unprivileged "
                               "uid; RLIMIT_NPROC is not enforced: %s", notes)
             return caps
-          notes.append(f"probe prefix={prefix} drop_uid={drop}: "
-                       f"{res.status} {res.stderr[-300:]!r}")
+          else:
+            notes.append(f"probe prefix={prefix} drop_uid={drop}: "
+                         f"{res.status} {res.stderr[-300:]!r}")
         except SandboxError as e:
-          if self.isolation == "namespaces" and prefix is None:
-            raise
           notes.append(f"probe prefix={prefix} drop_uid={drop}: {e}")
         finally:
           self._caps = None
+    if self.isolation == "namespaces":
+      raise SandboxError(
+          "the code sandbox needs Linux namespaces (net, pid, mount) and a "
+          "private root filesystem, which this host does not allow, so it "
+          "refuses to run untrusted code unconfined. Allow unprivileged user "
+          "namespaces (or run the trainer as root), or pass "
+          f"Sandbox(isolation='none') for trusted code only. Details: {notes}")
     raise SandboxError(f"the sandbox cannot run a trivial program: {notes}")
+
+  def _probe_host_file(self) -> str:
+    """A host file that must be invisible inside (not under an exposed path)."""
+    exposed = self._expose()
+    for p in _PROBE_HOST_FILES + (os.path.abspath(__file__),):
+      if os.path.exists(p) and not any(
+          p == q or p.startswith(q.rstrip("/") + "/") for q in exposed):
+        return p
+    return "/etc"  # a directory every Linux host has, never exposed
+
+  def _expose(self) -> list[str]:
+    """Host paths bound read-only into a run's minimal root."""
+    if self._exposed is None:
+      paths = [p for p in SYSTEM_PATHS if os.path.lexists(p)]
+      real = os.path.realpath(self.python)
+      if real == os.path.realpath(sys.executable):
+        base = sys.base_prefix
+      else:  # another interpreter: ask it where its standard library lives
+        base = subprocess.run(
+            [self.python, "-I", "-c", "import sys; print(sys.base_prefix)"],
+            capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+      for p in (os.path.realpath(base), os.path.dirname(real)):
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in paths):
+          paths.append(p)
+      self._exposed = sorted(set(paths))
+    return list(self._exposed)
+
+  def _links(self) -> dict[str, str]:
+    """Symlinks recreated in the minimal root: the interpreter as named (e.g.
+    a venv's bin/python) -> the real binary, so ``sys.executable`` works."""
+    named = os.path.abspath(self.python)
+    real = os.path.realpath(self.python)
+    return {} if named == real else {named: real}
 
   # -- running -------------------------------------------------------------
 
@@ -533,11 +655,8 @@ class Sandbox:
           "cpu_s": int(-(-limits.cpu_s // 1)), "memory_mb": limits.memory_mb,
           "nproc": nproc, "file_mb": limits.max_file_mb,
           "nofile": limits.max_open_files,
-          # The interpreter's trees, which the run's uid must be able to read.
-          "expose": sorted({os.path.realpath(p) for p in (
-              sys.base_prefix, sys.prefix,
-              os.path.dirname(os.path.realpath(self.python)),
-              os.path.dirname(os.path.abspath(__file__)))}),
+          # What the minimal root holds besides the run's own directory.
+          "expose": self._expose(), "links": self._links(),
       }
       cmd = list(caps["prefix"] or []) + [
           self.python, "-I", "-B", os.path.abspath(__file__), "--boot",
