@@ -48,6 +48,7 @@ from .losses import (
     entropy_from_logits,
     get_policy_loss,
     kl_penalty,
+    mle_loss,
     offpolicy_loss,
     policy_loss,
     ppo_clip_loss,
@@ -64,7 +65,7 @@ __all__ = [
     "gfpo_scores", "gfpo_keep_mask", "gfpo_advantages", "gfpo_loss_mask", "AdaptiveKState",
     "adaptive_k_init", "adaptive_k", "masked_percentile", "GFPO_METRICS",
     # losses
-    "ppo_clip_loss", "offpolicy_loss", "reshaped_ratio", "policy_loss", "decoupled_ppo_loss", "kl_penalty",
+    "ppo_clip_loss", "offpolicy_loss", "reshaped_ratio", "policy_loss", "decoupled_ppo_loss", "mle_loss", "kl_penalty",
     "entropy_from_logits", "POLICY_LOSSES", "get_policy_loss", "LOG_RATIO_CLAMP",
     # aggregation
     "aggregate", "aggregate_loss", "safe_divide", "masked_mean", "masked_sum", "AGGREGATION_MODES",

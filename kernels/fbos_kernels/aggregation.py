@@ -17,8 +17,13 @@ Rules:
   0 to the sum and 0 to the row count.
 * **all-masked batch**: ``(0, 0)``, and :func:`safe_divide` returns 0 with a
   zero (not NaN) gradient.
-* masked positions are excluded with ``where`` so NaN/inf in padding does not
-  leak into the value.
+* **where before multiply**: masked positions are replaced by 0 with ``where``
+  *before* the loss is multiplied by the mask, so NaN/inf in padding leaks into
+  neither the value nor the gradient w.r.t. ``loss``. (Arithmetic *upstream* of
+  ``aggregate`` is the loss kernels' job: pass them the same ``mask``.)
+* **exact shapes**: ``mask`` must have the shape of ``loss`` exactly (a
+  broadcastable ``[B, 1]`` raises ``ValueError``); ``mode`` must be one of
+  :data:`AGGREGATION_MODES` and ``norm_len`` > 0.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from ._util import float_dtype, safe_div
+from ._util import check_choice, check_range, check_shape, float_dtype, safe_div
 
 __all__ = ["AGGREGATION_MODES", "aggregate", "aggregate_loss", "safe_divide", "masked_mean", "masked_sum"]
 
@@ -39,21 +44,25 @@ def safe_divide(total, denom):
     return safe_div(jnp.asarray(total), jnp.asarray(denom))
 
 
-def _masked(loss, mask):
+def _masked(loss, mask, loss_name="loss"):
+    """(loss * mask with masked positions zeroed *before* the multiply, float mask)."""
     loss = jnp.asarray(loss)
-    loss = loss.astype(float_dtype(loss))
     m = jnp.asarray(mask)
+    check_shape(loss_name, loss.shape, "mask", m.shape)
+    loss = loss.astype(float_dtype(loss))
     mf = m.astype(loss.dtype)
     present = mf != 0
-    return jnp.where(present, loss * mf, 0.0), mf
+    return jnp.where(present, loss, 0.0) * mf, mf
 
 
 def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None):
     """Aggregate a per-token loss into an exact ``(sum, denom)`` pair.
 
     Args:
-      loss: ``[B, T]`` per-token loss.
-      mask: ``[B, T]`` bool/float loss mask (float masks act as token weights).
+      loss: ``[B, T]`` per-token loss; NaN/inf at masked positions are ignored
+        (value and gradient).
+      mask: ``[B, T]`` bool/float loss mask, the shape of ``loss`` exactly
+        (float masks act as token weights).
       mode:
         * ``token-mean``: ``(sum_bt l m, sum_bt m)``.
         * ``seq-mean-token-mean``: ``(sum_b rowsum_b / rowcount_b, #nonempty rows)``
@@ -65,12 +74,19 @@ def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float]
           only (not by the number of sequences); we follow the Dr.GRPO paper's
           ``1/(G * L_max)`` form.
       norm_len: the constant ``L`` for ``seq-mean-token-sum-norm``; defaults to
-        ``T = loss.shape[-1]``. Pass the configured max response length so that
-        pieces padded to different ``T`` agree.
+        ``T = loss.shape[-1]``; must be > 0. Pass the configured max response
+        length so that pieces padded to different ``T`` agree.
 
     Returns:
       ``(sum, denom)`` float scalars. Final loss = ``safe_divide(sum, denom)``.
+
+    Raises:
+      ValueError: ``mask`` shape differs from ``loss``; unknown ``mode``;
+        ``norm_len <= 0``.
     """
+    check_choice("aggregation mode", mode, AGGREGATION_MODES)
+    if norm_len is not None:
+        check_range("norm_len", norm_len, gt=0)
     lm, mf = _masked(loss, mask)
     if mode == "token-mean":
         return jnp.sum(lm), jnp.sum(mf)
@@ -85,7 +101,7 @@ def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float]
     if mode == "seq-mean-token-sum-norm":
         L = loss.shape[-1] if norm_len is None else norm_len
         return jnp.sum(rowsum) / L, nrows
-    raise ValueError(f"unknown aggregation mode {mode!r}; valid: {AGGREGATION_MODES}")
+    raise AssertionError(mode)  # unreachable: checked above
 
 
 def aggregate_loss(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None):
@@ -94,12 +110,12 @@ def aggregate_loss(loss, mask, mode: str = "token-mean", *, norm_len: Optional[f
 
 
 def masked_sum(x, mask, axis=None):
-    """``sum(x * mask)`` over ``axis``, ignoring NaN/inf at masked positions."""
-    xm, _ = _masked(x, mask)
+    """``sum(x * mask)`` over ``axis``, ignoring NaN/inf at masked positions; ``mask`` the shape of ``x``."""
+    xm, _ = _masked(x, mask, "x")
     return jnp.sum(xm, axis=axis)
 
 
 def masked_mean(x, mask, axis=None):
-    """``sum(x m) / sum(m)`` over ``axis``; 0 (not NaN) where ``sum(m) == 0``."""
-    xm, mf = _masked(x, jnp.broadcast_to(jnp.asarray(mask), jnp.shape(x)))
+    """``sum(x m) / sum(m)`` over ``axis``; 0 (not NaN) where ``sum(m) == 0``; ``mask`` the shape of ``x``."""
+    xm, mf = _masked(x, mask, "x")
     return safe_div(jnp.sum(xm, axis=axis), jnp.sum(mf, axis=axis))

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Sequence, Union
 
 import jax.numpy as jnp
 
-from ._util import as_bool_mask, float_dtype
+from ._util import as_bool_mask, check_range, check_shape, float_dtype
 from .advantages import get_advantage_estimator
 
 __all__ = [
@@ -67,7 +67,7 @@ def gfpo_scores(rewards, lengths, metric: Union[str, Callable] = "length"):
         fn = GFPO_METRICS[metric]
     except KeyError:
         raise ValueError(
-            f"unknown GFPO metric {metric!r}; valid names: {sorted(GFPO_METRICS)} or a callable"
+            f"unknown GFPO metric {metric!r}; valid metric names: {sorted(GFPO_METRICS)} or a callable"
         ) from None
     return fn(rewards, lengths)
 
@@ -81,14 +81,18 @@ def gfpo_keep_mask(scores, valid, k):
 
     Args:
       scores: ``[P, G]`` scores (higher = keep first).
-      valid: ``[P, G]`` bool/float validity mask; invalid members are never kept.
-      k: python int, scalar, or int array ``[P]`` (per-prompt k). If a group has
-        fewer than k valid members all of them are kept; k <= 0 keeps none.
+      valid: ``[P, G]`` bool/float validity mask (the shape of ``scores``
+        exactly); invalid members are never kept.
+      k: python int, scalar, or int array ``[P]`` (per-prompt k, shape
+        ``scores.shape[:-1]`` exactly). If a group has fewer than k valid
+        members all of them are kept; k <= 0 keeps none.
 
     Returns:
       ``[P, G]`` bool keep mask (subset of ``valid``).
     """
     s = jnp.asarray(scores)
+    check_shape("scores", s.shape, "valid", jnp.shape(valid))
+    check_shape("scores", s.shape, "k", jnp.shape(k), allowed=[(), s.shape[:-1]])
     s = jnp.where(jnp.isnan(s), -jnp.inf, s)
     m = as_bool_mask(valid)
     G = s.shape[-1]
@@ -108,16 +112,21 @@ def gfpo_advantages(rewards, valid, keep, *, eps: float = 1e-6, estimator: str =
 
     Mean and (unbiased) std are taken over the kept subset S = valid & keep only;
     rejected members get exactly 0. The single-sample / all-equal rules of
-    :func:`fbos_kernels.group_advantages` apply to S (|S| < 2 -> 0).
+    :func:`fbos_kernels.group_advantages` apply to S (|S| < 2 -> 0), and so does
+    the non-finite rule: a kept member with a NaN/inf reward is left out of S's
+    statistics and gets 0.
 
     Args:
-      rewards, valid, keep: ``[P, G]``.
-      eps: added to the std.
+      rewards, valid, keep: ``[P, G]``, all three the same shape exactly.
+      eps: added to the std, >= 0.
       estimator: advantage estimator applied to the kept subset (default "grpo").
 
     Returns:
       ``[P, G]`` advantages.
     """
+    r_shape = jnp.shape(rewards)
+    check_shape("rewards", r_shape, "valid", jnp.shape(valid))
+    check_shape("rewards", r_shape, "keep", jnp.shape(keep))
     kept = as_bool_mask(valid) & as_bool_mask(keep)
     return get_advantage_estimator(estimator)(rewards, kept, eps=eps)
 
@@ -170,8 +179,9 @@ class AdaptiveKState(NamedTuple):
 
 def adaptive_k_init(history_size: int = 2048) -> AdaptiveKState:
     """Empty adaptive-k state with a ring buffer of ``history_size`` entries."""
-    if history_size < 1:
-        raise ValueError("history_size must be >= 1")
+    if isinstance(history_size, bool) or not hasattr(history_size, "__index__") or history_size < 1:
+        raise ValueError(f"history_size must be an int >= 1, got {history_size!r}")
+    history_size = int(history_size)
     return AdaptiveKState(
         history=jnp.zeros((history_size,), jnp.float32),
         count=jnp.zeros((), jnp.int32),
@@ -228,21 +238,26 @@ def adaptive_k(
     Args:
       state: :class:`AdaptiveKState`.
       group_mean_reward: ``[P]`` mean reward of each prompt's group.
-      group_size: G, for the clamp.
+      group_size: G (>= 2), for the clamp.
       k_map: four ints (very hard, hard, medium, easy).
-      warmup_steps: number of initial calls that use ``warmup_k``.
+      warmup_steps: number of initial calls that use ``warmup_k`` (>= 0).
       warmup_k: k during warm-up.
-      valid: optional ``[P]`` mask; invalid (padding) prompts are not pushed
-        into the history (their returned k is still defined).
+      valid: optional ``[P]`` mask (the shape of ``group_mean_reward``
+        exactly); invalid (padding) prompts are not pushed into the history
+        (their returned k is still defined).
 
     Returns:
       ``(k [P] int32, new_state)``.
     """
     if len(k_map) != 4:
-        raise ValueError("k_map must have 4 entries (very hard, hard, medium, easy)")
+        raise ValueError(f"k_map must have 4 entries (very hard, hard, medium, easy), got {k_map!r}")
+    check_range("group_size", group_size, ge=2)
+    check_range("warmup_steps", warmup_steps, ge=0)
     m = jnp.asarray(group_mean_reward, jnp.float32)
     if m.ndim != 1:
         raise ValueError(f"group_mean_reward must be [P], got shape {m.shape}")
+    if valid is not None:
+        check_shape("group_mean_reward", m.shape, "valid", jnp.shape(valid))
     P = m.shape[0]
     H = state.history.shape[0]
     if P > H:

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ._util import check_range
 from .losses import entropy_from_logits
 
 __all__ = [
@@ -238,6 +239,17 @@ def _stats_bwd(time_chunk, vocab_chunk, want_ent, res, cts):
 _stats.defvjp(_stats_fwd, _stats_bwd)
 
 
+def _check_params(temperature, time_chunk, vocab_chunk):
+    """Range-check concrete parameters: temperature > 0, chunks >= 1 (None = default/unused)."""
+    check_range("temperature", temperature, gt=0)
+    for name, value in (("time_chunk", time_chunk), ("vocab_chunk", vocab_chunk)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_range(name, int(value.__index__()), ge=1)
+
+
 def _check_inputs(hidden, unembed, targets):
     hidden, unembed, targets = jnp.asarray(hidden), jnp.asarray(unembed), jnp.asarray(targets)
     if hidden.ndim != 3 or unembed.ndim != 2 or targets.shape != hidden.shape[:2]:
@@ -258,8 +270,10 @@ def logprob_stats(hidden, unembed, targets, *, temperature=1.0, time_chunk: int 
     which is what makes vocabulary sharding work (each shard sees only its ids).
 
     Returns three ``[B, T]`` float32 arrays (entropy is zeros when
-    ``compute_entropy=False``).
+    ``compute_entropy=False``). ``temperature`` must be > 0 and the chunks >= 1
+    (``ValueError`` naming the parameter otherwise).
     """
+    _check_params(temperature, time_chunk, vocab_chunk)
     hidden, unembed, targets = _check_inputs(hidden, unembed, targets)
     temperature = jnp.asarray(temperature, jnp.float32)
     return _stats_call(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, compute_entropy)
@@ -285,9 +299,10 @@ def token_logprobs_and_entropy(hidden, unembed, targets, *, temperature=1.0,
       hidden: ``[B, T, D]`` final hidden states (any float dtype).
       unembed: ``[D, V]`` unembedding (LM head) matrix.
       targets: ``[B, T]`` int target ids (the token at t+1 for position t).
-      temperature: float (or scalar array); logits are ``(hidden @ unembed) / temperature``.
-      time_chunk: time steps per block (batch is kept whole).
-      vocab_chunk: vocabulary columns per block; V need not be a multiple.
+      temperature: float > 0 (or scalar array, unchecked); logits are
+        ``(hidden @ unembed) / temperature``.
+      time_chunk: time steps per block (batch is kept whole), int >= 1.
+      vocab_chunk: vocabulary columns per block, int >= 1; V need not be a multiple.
       compute_entropy: if False, entropy is skipped and ``None`` is returned for it.
 
     Returns:
@@ -309,6 +324,7 @@ def naive_logprobs_and_entropy(hidden, unembed, targets, *, temperature=1.0, tim
     Same signature and conventions as :func:`token_logprobs_and_entropy`
     (``time_chunk``/``vocab_chunk`` are accepted and ignored); plain autodiff.
     """
+    _check_params(temperature, time_chunk, vocab_chunk)
     del time_chunk, vocab_chunk
     hidden, unembed, targets = _check_inputs(hidden, unembed, targets)
     V = unembed.shape[1]
@@ -363,6 +379,7 @@ def vocab_parallel_logprobs_and_entropy(hidden, unembed, targets, *, mesh, vocab
     Returns:
       ``(logp [B, T], entropy [B, T] or None)`` float32, sharded ``P(batch_axes, None)``.
     """
+    _check_params(temperature, time_chunk, vocab_chunk)
     hidden, unembed, targets = _check_inputs(hidden, unembed, targets)
     n_shards = mesh.shape[vocab_axis]
     V = unembed.shape[1]
