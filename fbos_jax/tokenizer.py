@@ -1,4 +1,5 @@
-"""Tokenizers: a character-level tokenizer for the tiny CPU configs, and loading.
+"""Tokenizers: a character-level tokenizer for the tiny CPU configs, finding and
+loading a run's tokenizer, and checking that it fits the model and the prompt style.
 
 The character tokenizer is a real Hugging Face tokenizer (``tokenizer.json`` +
 ``tokenizer_config.json`` + ``special_tokens_map.json``), so everything else in
@@ -15,12 +16,19 @@ Vocabulary (ids are stable; tests rely on the order):
 
 No chat template is set on the character tokenizer, so ``templates.render_prompt``
 takes its plain-text path for it. Nothing here touches the network.
+
+A run's tokenizer (:func:`resolve_tokenizer_path`): ``model.tokenizer_path`` if set,
+else the checkpoint directory ``model.hf_path`` (``--init_from_hf``), else the
+character tokenizer built in the workdir. :func:`check_tokenizer_compat` then rejects
+a tokenizer larger than the model's vocabulary and a chat tokenizer paired with the
+plain-text prompt style (or the reverse).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -28,6 +36,18 @@ EF_OPEN, EF_CLOSE = "<EF>", "</EF>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
 ADDED_TOKENS = (EF_OPEN, EF_CLOSE)
 BASE_CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+TOKENIZER_PATH_FLAG = "--config.model.tokenizer_path"
+# Files that make a directory a tokenizer (either is enough for AutoTokenizer).
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+# Everything a HF tokenizer directory may hold; copied verbatim by copy_tokenizer_files.
+TOKENIZER_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                        "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                        "chat_template.jinja", "chat_template.json")
+# templates.style values whose prompts are written for a chat template, and the
+# plain-text one (the character tokenizer's format).
+CHAT_TEMPLATE_STYLES = ("verbose",)
+PLAIN_TEMPLATE_STYLES = ("compact",)
 
 
 def char_vocab(extra_chars: str = "") -> dict[str, int]:
@@ -93,14 +113,12 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any):
     FileNotFoundError: naming ``path`` when it is not a tokenizer directory.
   """
   path = os.fspath(path)
-  if not os.path.isdir(path) or not (
-      os.path.exists(os.path.join(path, "tokenizer.json"))
-      or os.path.exists(os.path.join(path, "tokenizer_config.json"))
-  ):
+  if not is_tokenizer_dir(path):
     raise FileNotFoundError(
         f"no tokenizer at {path!r}: expected a directory with tokenizer.json or "
-        "tokenizer_config.json (build one with "
-        "fbos_jax.tokenizer.build_char_tokenizer)"
+        f"tokenizer_config.json; set {TOKENIZER_PATH_FLAG}=DIR to a tokenizer directory "
+        "(e.g. the original model download) or build one with "
+        "fbos_jax.tokenizer.build_char_tokenizer"
     )
   from transformers import AutoTokenizer
 
@@ -108,3 +126,105 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any):
   if tok.pad_token is None and tok.eos_token is not None:
     tok.pad_token = tok.eos_token
   return tok
+
+
+def is_tokenizer_dir(path: str | os.PathLike) -> bool:
+  """Whether ``path`` is a directory holding ``tokenizer.json`` or ``tokenizer_config.json``."""
+  path = os.fspath(path)
+  return os.path.isdir(path) and any(
+      os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_MARKERS)
+
+
+def resolve_tokenizer_path(config, workdir: str | os.PathLike, *,
+                           build_char: bool = True) -> str:
+  """The tokenizer directory of a run, or an error that says where it looked.
+
+  In order: ``config.model.tokenizer_path`` when set; else the checkpoint directory
+  ``config.model.hf_path`` (``--init_from_hf``); else ``WORKDIR/tokenizer``, the
+  character tokenizer (built there when missing and ``build_char``).
+
+  Raises:
+    FileNotFoundError: ``model.tokenizer_path`` or the HF checkpoint directory holds
+      no tokenizer; the message names the directory, the files looked for and the
+      flag that sets the tokenizer (``--config.model.tokenizer_path``).
+  """
+  m = config.model
+  looked_for = " or ".join(TOKENIZER_MARKERS)
+  tok_path = m.get("tokenizer_path", "") or ""
+  if tok_path:
+    if not is_tokenizer_dir(tok_path):
+      raise FileNotFoundError(
+          f"model.tokenizer_path={tok_path!r} is not a tokenizer directory (looked for "
+          f"{looked_for} in it); set {TOKENIZER_PATH_FLAG}=DIR to a directory that has them.")
+    return os.fspath(tok_path)
+  hf_path = m.get("hf_path", "") or ""
+  if hf_path:
+    if not is_tokenizer_dir(hf_path):
+      raise FileNotFoundError(
+          f"no tokenizer in the checkpoint directory {hf_path!r} (model.hf_path / "
+          f"--init_from_hf): looked for {looked_for} in it. Copy the tokenizer files of "
+          f"the model it came from there, or set {TOKENIZER_PATH_FLAG}=DIR to that "
+          "tokenizer's directory (e.g. the original download).")
+    return os.fspath(hf_path)
+  path = os.path.join(os.fspath(workdir), "tokenizer")
+  if not os.path.exists(os.path.join(path, "tokenizer.json")):
+    if not build_char:
+      raise FileNotFoundError(
+          f"no tokenizer at {path!r} (the character tokenizer of this workdir) and neither "
+          f"model.tokenizer_path nor model.hf_path is set; set {TOKENIZER_PATH_FLAG}=DIR.")
+    build_char_tokenizer(path)
+  return path
+
+
+def check_tokenizer_compat(tokenizer, *, vocab_size: int, template_style: str,
+                           tokenizer_path: str = "") -> None:
+  """Rejects a tokenizer that does not fit the model or the prompt template style.
+
+  Args:
+    tokenizer: a loaded HF tokenizer.
+    vocab_size: ``config.model.vocab_size`` (rows of the embedding).
+    template_style: ``config.templates.style``.
+    tokenizer_path: where it was loaded from (for the message).
+
+  Raises:
+    ValueError: ``len(tokenizer) > vocab_size`` (ids without an embedding row), a
+      tokenizer with a chat template under the plain-text style ``"compact"``, or
+      one without a chat template under a chat style (``"verbose"``).
+  """
+  where = f" ({tokenizer_path})" if tokenizer_path else ""
+  n = len(tokenizer)
+  if n > int(vocab_size):
+    raise ValueError(
+        f"the tokenizer{where} has {n} tokens but model.vocab_size={vocab_size}: ids "
+        f">= {vocab_size} have no embedding row. Use the model's own tokenizer "
+        f"({TOKENIZER_PATH_FLAG}) or take the model from its checkpoint (--init_from_hf).")
+  chat = bool(getattr(tokenizer, "chat_template", None))
+  if chat and template_style in PLAIN_TEMPLATE_STYLES:
+    raise ValueError(
+        f"templates.style={template_style!r} is the plain-text prompt format of the "
+        f"character tokenizer, but the tokenizer{where} has a chat template, so every "
+        "prompt would be wrapped in a chat turn the format was not written for; use "
+        "--config.templates.style=verbose with a chat model.")
+  if not chat and template_style in CHAT_TEMPLATE_STYLES:
+    raise ValueError(
+        f"templates.style={template_style!r} writes prompts for a chat template, but the "
+        f"tokenizer{where} has none (no chat_template in its tokenizer_config.json), so "
+        "prompts would go to the model as bare text; use a tokenizer with a chat "
+        "template, or --config.templates.style=compact for a plain-text model.")
+
+
+def copy_tokenizer_files(src_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[str]:
+  """Copies the tokenizer files of ``src_dir`` (:data:`TOKENIZER_FILE_NAMES`) verbatim.
+
+  Returns:
+    the paths written (empty when ``src_dir`` holds none of them).
+  """
+  written = []
+  os.makedirs(out_dir, exist_ok=True)
+  for name in TOKENIZER_FILE_NAMES:
+    src = os.path.join(os.fspath(src_dir), name)
+    if os.path.isfile(src):
+      dst = os.path.join(os.fspath(out_dir), name)
+      shutil.copyfile(src, dst)
+      written.append(dst)
+  return written

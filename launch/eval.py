@@ -1,6 +1,9 @@
 r"""Held-out pass@1 (greedy) and unbiased pass@k of a trained checkpoint.
 
   python launch/eval.py --config=configs/fbos.py:tiny --workdir=/tmp/fbos_tiny --k=8
+  # a run started with --init_from_hf: the same flag takes the architecture and tokenizer from DIR
+  python launch/eval.py --config=configs/fbos.py:qwen3_0_6b --init_from_hf=/ckpt/Qwen3-0.6B \
+      --workdir=/tmp/q
 """
 import _common  # noqa: F401
 import json
@@ -12,23 +15,43 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. con
 flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.")
 flags.DEFINE_integer("k", 1, "pass@k with k samples per prompt at temperature 1 (1 = greedy only).")
 flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = latest).")
+flags.DEFINE_string("init_from_hf", "", "The HF checkpoint directory the run started from (as "
+                    "in train.py): model fields and tokenizer come from it.")
 FLAGS = flags.FLAGS
+
+
+def evaluate(config, workdir: str, *, k: int = 1, step: int = -1, init_from_hf: str = "") -> dict:
+  """Held-out accuracy of checkpoint ``step`` (-1 = latest) of ``workdir``.
+
+  ``init_from_hf`` (or ``config.model.hf_path``): the model fields are set from
+  that directory's ``config.json`` (``apply_hf_config``) and its tokenizer is used.
+  """
+  from fbos_jax import tokenizer as tok_lib
+  from fbos_jax.model import hf
+  from fbos_jax.rl.trainer import RLTrainer
+  src = init_from_hf or config.model.get("hf_path", "")
+  if src:
+    config = hf.apply_hf_config(config, src)
+  tok_lib.resolve_tokenizer_path(config, workdir)  # a clear error before any work
+  trainer = RLTrainer(config, workdir, log_metrics=False)
+  try:
+    state = trainer.restore_train_state(None if step < 0 else step)
+    res = trainer.evaluate(state.params, trainer.env.eval_examples(), k=k, step=int(state.step))
+    res["step"] = int(state.step)
+    return res
+  finally:
+    trainer.close()
 
 
 def main(argv):
   del argv
-  from fbos_jax.rl.trainer import RLTrainer
-  config = _CONFIG.value
-  trainer = RLTrainer(config, FLAGS.workdir, log_metrics=False)
+  from fbos_jax.model.hf import CheckpointError
   try:
-    state = trainer.restore_train_state(None if FLAGS.step < 0 else FLAGS.step)
-  except FileNotFoundError as e:
+    res = evaluate(_CONFIG.value, FLAGS.workdir, k=FLAGS.k, step=FLAGS.step,
+                   init_from_hf=FLAGS.init_from_hf)
+  except (FileNotFoundError, CheckpointError) as e:  # no checkpoint / tokenizer / HF dir
     raise app.UsageError(str(e)) from None
-  res = trainer.evaluate(state.params, trainer.env.eval_examples(), k=FLAGS.k,
-                         step=int(state.step))
-  res["step"] = int(state.step)
   print(json.dumps(res, indent=2))
-  trainer.close()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 """HF checkpoint export after import: bit-for-bit tensors, loadable by transformers,
-plus the importer's answers to bad input (named file, named tensor, no traceback soup)."""
+plus the importer's answers to bad input (named file, named tensor, no traceback soup);
+then a real-shape Qwen3 (real vocabulary and tokenizer, bf16): logits and greedy decoding
+against transformers, export, apply_hf_config and the launchers' --init_from_hf."""
+import dataclasses
+import importlib.util
 import json
 import os
 import shutil
 import struct
 
+import jax
 import ml_dtypes  # noqa: F401  (bfloat16 for safetensors' numpy reader)
 import numpy as np
 import pytest
@@ -13,8 +18,12 @@ import transformers
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from fbos_jax import sampling, templates
+from fbos_jax import tokenizer as tk
 from fbos_jax.model import (CheckpointError, load_hf_params, model_config_from_hf,
                             save_hf_checkpoint)
+from fbos_jax.model import hf, qwen
+from fbos_jax.testing import qwen_fixture as qf
 
 TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2)
@@ -304,3 +313,236 @@ def test_given_config_must_agree_with_file(qwen3_f32):
   cfg = model_config_from_hf(src)
   with pytest.raises(CheckpointError, match="num_layers"):
     load_hf_params(src, dataclasses.replace(cfg, num_layers=3))
+
+
+# ----------------------------------------------------------------------------- real shape
+# A random Qwen3 with the real vocabulary (151,936), real head sizes (head_dim 128, 16 query /
+# 8 KV heads, like Qwen3-0.6B), 2 layers of width 256, stored in bfloat16 with the real BPE
+# tokenizer and a hub-style config.json (fbos_jax/testing/qwen_fixture.py); prompts are
+# math questions rendered through its chat template.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN_PROMPTS = ["What is 2 + 3?",
+                "Mia has 17 apples. Mia gets 6 more apples. How many apples does Mia have now?",
+                r"Compute $\frac{1}{2} + \frac{1}{3}$ and put the result in \boxed{}.",
+                "小明有 12 个苹果，吃了 5 个。还剩几个？"]
+STOP_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|> (generation_config.json)
+
+
+def load_config(spec):
+  """configs/NAME.py:ARG -> ConfigDict (as absl's config_flags would)."""
+  path, _, arg = spec.partition(":")
+  mod_spec = importlib.util.spec_from_file_location("cfg_" + os.path.basename(path)[:-3],
+                                                    os.path.join(ROOT, path))
+  mod = importlib.util.module_from_spec(mod_spec)
+  mod_spec.loader.exec_module(mod)
+  return mod.get_config(arg)
+
+
+def left_pad(rows, pad_id):
+  t = max(map(len, rows))
+  toks = np.full((len(rows), t), pad_id, np.int64)
+  mask = np.zeros((len(rows), t), np.int64)
+  for i, r in enumerate(rows):
+    toks[i, t - len(r):] = r
+    mask[i, t - len(r):] = 1
+  return toks, mask
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+  return qf.shared_qwen3_checkpoint(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def qwen3_prompts(qwen3_dir):
+  tok = tk.load_tokenizer(qwen3_dir)
+  return [templates.render_prompt(tok, p) for p in QWEN_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def qwen3_torch_f32(qwen3_dir):
+  return transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+
+
+def test_qwen3_fixture_looks_like_a_download(qwen3_dir, qwen3_prompts):
+  conf = json.loads(open(os.path.join(qwen3_dir, "config.json")).read())
+  assert (conf["vocab_size"], conf["head_dim"], conf["num_attention_heads"],
+          conf["num_key_value_heads"]) == (151_936, 128, 16, 8)
+  assert conf["rope_theta"] == 1e6 and conf["max_position_embeddings"] == 40_960
+  assert conf["torch_dtype"] == "bfloat16" and conf["tie_word_embeddings"] is True
+  gen = json.loads(open(os.path.join(qwen3_dir, "generation_config.json")).read())
+  assert gen["eos_token_id"] == list(STOP_IDS) and hf.generation_stop_ids(qwen3_dir) == STOP_IDS
+  cfg = model_config_from_hf(qwen3_dir)
+  assert (cfg.vocab_size, cfg.head_dim, cfg.rope_theta, cfg.num_layers) == (151_936, 128, 1e6, 2)
+  with safe_open(os.path.join(qwen3_dir, "model.safetensors"), framework="numpy") as h:
+    assert h.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+  assert [p[:1] for p in qwen3_prompts] == [[151644]] * 4  # <|im_start|>, real BPE inside
+  assert max(map(max, qwen3_prompts)) < 151_936 and len(set(map(len, qwen3_prompts))) == 4
+
+
+def test_qwen3_bf16_load_and_f32_logits_vs_transformers(qwen3_dir, qwen3_prompts,
+                                                         qwen3_torch_f32):
+  file_cfg = model_config_from_hf(qwen3_dir)
+  cfg16 = dataclasses.replace(file_cfg, param_dtype="bfloat16", compute_dtype="bfloat16")
+  params16, cfg16 = load_hf_params(qwen3_dir, cfg16)
+  assert {x.dtype.name for x in jax.tree.leaves(params16)} == {"bfloat16"}
+  assert cfg16.param_dtype == "bfloat16"
+  params32, cfg32 = load_hf_params(qwen3_dir)
+  assert {x.dtype.name for x in jax.tree.leaves(params32)} == {"float32"}
+  for a, b in zip(jax.tree.leaves(params16), jax.tree.leaves(params32)):  # stored bf16: exact
+    np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b))
+
+  toks, mask = left_pad(qwen3_prompts, 151643)
+  m = mask.astype(bool)
+  ref = torch_logits(qwen3_torch_f32, toks, mask)
+  ours = np.asarray(jax.jit(qwen.apply, static_argnums=3)(params32, toks, mask, cfg32))
+  # float32: roundoff only (measured ~1e-4 on logits of std ~16: 256-wide sums, 151,936 rows)
+  np.testing.assert_allclose(ours[m], ref[m], atol=1e-3, rtol=0)
+  assert np.all(ours[m].argmax(-1) == ref[m].argmax(-1))
+
+
+@pytest.mark.slow  # 11-25 s here: bf16 matmuls on CPU (ours and torch's), one more compile
+def test_qwen3_bf16_logits_within_transformers_bf16_error(qwen3_dir, qwen3_prompts,
+                                                          qwen3_torch_f32):
+  """Our bfloat16 model (bf16 params and compute) against the float32 reference is no
+  further off than transformers' own bfloat16 model (same stored weights)."""
+  cfg16 = dataclasses.replace(model_config_from_hf(qwen3_dir), param_dtype="bfloat16",
+                              compute_dtype="bfloat16")
+  params16, cfg16 = load_hf_params(qwen3_dir, cfg16)
+  toks, mask = left_pad(qwen3_prompts, 151643)
+  m = mask.astype(bool)
+  ref = torch_logits(qwen3_torch_f32, toks, mask)
+  hf16 = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir).eval()
+  assert hf16.dtype == torch.bfloat16
+  err_hf = np.abs(torch_logits(hf16, toks, mask) - ref)[m]
+  ours16 = np.asarray(jax.jit(qwen.apply, static_argnums=3)(params16, toks, mask, cfg16))
+  assert ours16.dtype == np.float32  # logits come out in float32 from bf16 compute
+  err = np.abs(ours16 - ref)[m]
+  assert err.max() <= 1.5 * err_hf.max() and err.mean() <= 1.5 * err_hf.mean(), (
+      err.max(), err_hf.max(), err.mean(), err_hf.mean())
+  assert np.mean(ours16[m].argmax(-1) == ref[m].argmax(-1)) >= 0.95
+
+
+def test_qwen3_export_keeps_source_config_and_reloads(qwen3_dir, qwen3_prompts, tmp_path):
+  cfg16 = dataclasses.replace(model_config_from_hf(qwen3_dir), param_dtype="bfloat16")
+  params16, cfg16 = load_hf_params(qwen3_dir, cfg16)
+  out = tmp_path / "export"
+  save_hf_checkpoint(params16, cfg16, out, base_config=hf.read_hf_config(qwen3_dir))
+  assert_bit_identical(read_tensors(qwen3_dir), read_tensors(out))
+  conf = json.loads((out / "config.json").read_text())
+  assert conf["max_position_embeddings"] == 40_960  # from the source, not the 32768 default
+  assert (conf["eos_token_id"], conf["bos_token_id"]) == (151645, 151643)
+  assert conf["torch_dtype"] == conf["dtype"] == "bfloat16" and conf["rope_theta"] == 1e6
+  back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  orig = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+  assert back.config.max_position_embeddings == 40_960
+  toks, mask = left_pad(qwen3_prompts, 151643)
+  np.testing.assert_array_equal(torch_logits(back, toks, mask), torch_logits(orig, toks, mask))
+
+
+def test_apply_hf_config_sets_architecture_keeps_runtime(qwen3_dir, caplog):
+  config = load_config("configs/fbos.py:tiny")  # rope_theta 1e4, vocab 128, head_dim 32, ...
+  config.model.param_dtype, config.model.compute_dtype = "bfloat16", "bfloat16"
+  config.model.remat = "full"
+  config.model.rms_norm_eps = 1e-5  # an explicit value that disagrees with the file
+  config.lock()
+  with caplog.at_level("INFO", logger="fbos_jax.model.hf"):
+    new = hf.apply_hf_config(config, qwen3_dir)
+  file_cfg = model_config_from_hf(qwen3_dir)
+  for f in hf.HF_ARCH_FIELDS:  # the file wins for every architecture field
+    assert new.model[f] == getattr(file_cfg, f), f
+  assert (new.model.rope_theta, new.model.rms_norm_eps, new.model.vocab_size) == (
+      1e6, 1e-6, 151_936)
+  assert (new.model.param_dtype, new.model.compute_dtype, new.model.remat) == (
+      "bfloat16", "bfloat16", "full")
+  assert new.model.hf_path == qwen3_dir
+  assert config.model.rope_theta == 10_000.0 and config.model.hf_path == ""  # a copy
+  assert "model.rope_theta: 10000.0 -> 1000000.0" in caplog.text
+  assert "model.rms_norm_eps: 1e-05 -> 1e-06" in caplog.text
+  assert hf.hf_config_changes(new.model, qwen3_dir) == {}
+  # the Qwen3-0.6B preset differs from the fixture in its sizes only
+  q06 = load_config("configs/fbos.py:qwen3_0_6b")
+  assert set(hf.hf_config_changes(q06.model, qwen3_dir)) == {
+      "hidden_size", "intermediate_size", "num_layers"}
+
+  # loading with the run's own ModelConfig gives params in the run's param_dtype ...
+  run_cfg = qwen.ModelConfig.from_dict(new.model)
+  params, cfg = load_hf_params(qwen3_dir, run_cfg)
+  assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"} and cfg == run_cfg
+  # ... and a config that kept the preset's RoPE base is refused, not silently used
+  with pytest.raises(CheckpointError, match=r"rope_theta \(file 1000000\.0, config 10000\.0\)"
+                     r".*apply_hf_config"):
+    load_hf_params(qwen3_dir, dataclasses.replace(run_cfg, rope_theta=10_000.0))
+
+
+def test_qwen3_greedy_generation_matches_transformers(qwen3_dir, qwen3_prompts, qwen3_torch_f32):
+  """Our jitted sampler (greedy, float32, left-padded batch of 4) against transformers
+  `generate` (greedy, float32, one prompt at a time), token for token."""
+  new = 12
+  params, cfg = load_hf_params(qwen3_dir)
+  out = sampling.sample(params, cfg, qwen3_prompts, key=jax.random.PRNGKey(0), max_new_tokens=new,
+                        temperature=0.0, stop_token_ids=STOP_IDS, pad_id=151643,
+                        prompt_buckets=(32,), batch_buckets=(4,))
+  ours = [out.tokens[i, :out.lengths[i]].tolist() for i in range(4)]
+  theirs = []
+  for r in qwen3_prompts:
+    ids = torch.tensor([r])
+    with torch.no_grad():
+      o = qwen3_torch_f32.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=new, eos_token_id=list(STOP_IDS),
+                                   pad_token_id=151643)
+    theirs.append(o[0, len(r):].tolist())
+  assert ours == theirs
+  # not vacuous: the continuations differ between prompts and are not one repeated token
+  assert len({tuple(o) for o in ours}) == 4 and max(len(set(o)) for o in ours) > 3
+
+
+@pytest.mark.slow  # 45 s - 3.5 min here: a trainer, an orbax checkpoint, two launcher processes
+def test_launchers_with_init_from_hf(qwen3_dir, tmp_path):
+  """A run started from the HF checkpoint with bf16 params is exported and evaluated by
+  launch/export_hf.py and launch/eval.py given only --init_from_hf (no model fields
+  retyped): the export is the source's weights bit for bit, keeps its
+  max_position_embeddings and generation config, and ships its tokenizer."""
+  import subprocess
+  import sys
+
+  from fbos_jax import sharding as sh
+  from fbos_jax.datasets import arith_word
+  from fbos_jax.rl.trainer import RLTrainer
+  overrides = {"data.path": arith_word.TRAIN_PATH, "data.eval_path": arith_word.TEST_PATH,
+               "rl.prompts_per_step": 8, "train.eval_prompts": 8, "sampling.max_new_tokens": 8}
+  config = hf.apply_hf_config(load_config("configs/fbos.py:qwen3_0_6b"), qwen3_dir)
+  with config.unlocked():
+    for k, v in overrides.items():
+      section, field = k.split(".")
+      config[section][field] = v
+  assert config.model.param_dtype == "bfloat16"
+  workdir = str(tmp_path / "run")
+  trainer = RLTrainer(config, workdir, log_metrics=False)
+  params, _ = load_hf_params(qwen3_dir, trainer.model_cfg, mesh=trainer.mesh,
+                             rules=sh.rules_dict(config.mesh.rules))
+  assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"}
+  trainer.save(trainer.init_state(params), force=True)
+  trainer.close()
+
+  flags = ["--config=configs/fbos.py:qwen3_0_6b", f"--init_from_hf={qwen3_dir}",
+           f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
+  out = tmp_path / "export"
+  run = lambda script, *extra: subprocess.run(
+      [sys.executable, os.path.join(ROOT, "launch", script), *flags, *extra], cwd=ROOT,
+      capture_output=True, text=True, timeout=600)
+  res = run("export_hf.py", f"--out={out}")
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert_bit_identical(read_tensors(qwen3_dir), read_tensors(out))
+  conf = json.loads((out / "config.json").read_text())
+  assert conf["max_position_embeddings"] == 40_960 and conf["torch_dtype"] == "bfloat16"
+  for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    assert (out / name).read_bytes() == open(os.path.join(qwen3_dir, name), "rb").read(), name
+  assert len(transformers.AutoTokenizer.from_pretrained(out)) == 151_669
+  transformers.AutoModelForCausalLM.from_pretrained(out)
+
+  res = run("eval.py")
+  assert res.returncode == 0, res.stderr[-3000:]
+  result = json.loads(res.stdout[res.stdout.index("{"):])
+  assert result["step"] == 0 and 0.0 <= result["eval/accuracy"] <= 1.0

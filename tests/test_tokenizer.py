@@ -74,3 +74,72 @@ def test_load_missing_path_names_it(tmp_path):
   os.makedirs(missing)
   with pytest.raises(FileNotFoundError, match=str(missing)):
     tk.load_tokenizer(missing)  # exists but holds no tokenizer
+
+
+# ----------------------------------------------------------------------------- a run's tokenizer
+
+
+def run_config(**model):
+  import ml_collections
+  return ml_collections.ConfigDict({"model": dict({"hf_path": "", "tokenizer_path": ""}, **model)})
+
+
+def test_resolve_prefers_tokenizer_path_then_hf_path(tok_dir, tmp_path):
+  hf_dir = tmp_path / "ckpt"
+  tk.copy_tokenizer_files(tok_dir, hf_dir)
+  assert tk.resolve_tokenizer_path(run_config(hf_path=str(hf_dir)), tmp_path / "wd") == str(hf_dir)
+  assert tk.resolve_tokenizer_path(run_config(hf_path=str(hf_dir), tokenizer_path=tok_dir),
+                                   tmp_path / "wd") == tok_dir
+  assert not (tmp_path / "wd").exists()  # nothing built when a tokenizer is given
+
+
+def test_resolve_builds_the_char_tokenizer_in_the_workdir(tmp_path):
+  path = tk.resolve_tokenizer_path(run_config(), tmp_path)
+  assert path == str(tmp_path / "tokenizer") and tk.is_tokenizer_dir(path)
+  with pytest.raises(FileNotFoundError, match="--config.model.tokenizer_path"):
+    tk.resolve_tokenizer_path(run_config(), tmp_path / "other", build_char=False)
+
+
+def test_checkpoint_without_tokenizer_says_where_it_looked(tmp_path):
+  ckpt = tmp_path / "ckpt"
+  os.makedirs(ckpt)
+  (ckpt / "config.json").write_text("{}")
+  with pytest.raises(FileNotFoundError) as e:
+    tk.resolve_tokenizer_path(run_config(hf_path=str(ckpt)), tmp_path / "wd")
+  msg = str(e.value)
+  assert str(ckpt) in msg and "tokenizer.json" in msg and "tokenizer_config.json" in msg
+  assert "--config.model.tokenizer_path" in msg and "--init_from_hf" in msg
+  with pytest.raises(FileNotFoundError, match=r"model\.tokenizer_path=.*nope.*"
+                     r"--config\.model\.tokenizer_path"):
+    tk.resolve_tokenizer_path(run_config(tokenizer_path=str(tmp_path / "nope")), tmp_path)
+  with pytest.raises(FileNotFoundError, match="--config.model.tokenizer_path"):
+    tk.load_tokenizer(ckpt)
+
+
+def test_copy_tokenizer_files_is_verbatim(tok_dir, tmp_path):
+  written = tk.copy_tokenizer_files(tok_dir, tmp_path / "out")
+  assert sorted(os.path.basename(p) for p in written) == sorted(os.listdir(tok_dir))
+  for p in written:
+    assert open(p, "rb").read() == open(os.path.join(tok_dir, os.path.basename(p)), "rb").read()
+  assert tk.copy_tokenizer_files(tmp_path / "out" / "nothing_here", tmp_path / "o2") == []
+
+
+def test_compat_vocab_must_fit_the_model(tok_dir):
+  tok = tk.load_tokenizer(tok_dir)
+  n = len(tok)
+  tk.check_tokenizer_compat(tok, vocab_size=n, template_style="compact")
+  with pytest.raises(ValueError, match=rf"{n} tokens but model\.vocab_size={n - 1}") as e:
+    tk.check_tokenizer_compat(tok, vocab_size=n - 1, template_style="compact",
+                              tokenizer_path=tok_dir)
+  assert tok_dir in str(e.value)
+
+
+def test_compat_chat_template_against_prompt_style(tok_dir):
+  plain = tk.load_tokenizer(tok_dir)  # the char tokenizer has no chat template
+  with pytest.raises(ValueError, match=r"templates\.style='verbose'.*has none"):
+    tk.check_tokenizer_compat(plain, vocab_size=1000, template_style="verbose")
+  chat = tk.load_tokenizer(tok_dir)
+  chat.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+  with pytest.raises(ValueError, match=r"templates\.style='compact'.*has a chat template"):
+    tk.check_tokenizer_compat(chat, vocab_size=1000, template_style="compact")
+  tk.check_tokenizer_compat(chat, vocab_size=1000, template_style="verbose")

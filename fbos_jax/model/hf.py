@@ -15,6 +15,11 @@ loads, so a trained policy can be served by vLLM or SGLang. Tensors are gathered
 to the host one HF tensor (one layer of one weight) at a time and streamed to
 disk; only process 0 writes.
 
+Config (:func:`apply_hf_config`): sets every architecture field of a run config's
+``model`` section from ``config.json`` (the file wins; dtypes, remat and the other
+runtime choices stay the run's), so ``--config.model.hf_path`` / ``--init_from_hf``
+never pair a checkpoint with a preset's RoPE base or norm epsilon.
+
 Bad input (missing path, unreadable / truncated / corrupt safetensors, a
 tensor missing, a shape that disagrees with ``config.json``, an unsupported
 ``model_type`` or feature) raises :class:`CheckpointError`, whose message names
@@ -23,6 +28,7 @@ the file and the tensor.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -50,10 +56,13 @@ INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # HF's "5GB"
 
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-# Fields of ModelConfig that decide tensor names/shapes; with an explicit cfg they
-# must agree with config.json.
-_ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                "num_heads", "num_kv_heads", "head_dim", "tie_embeddings")
+# The ModelConfig fields config.json defines (model_config_from_hf sets exactly these): the
+# architecture. apply_hf_config copies them into a run config and load_hf_params checks a
+# given ModelConfig against them; every other field (dtypes, remat, attention kernel, ...)
+# is the run's choice.
+HF_ARCH_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps",
+                  "tie_embeddings")
 # Tensors some real checkpoints carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -163,7 +172,7 @@ def model_config_from_hf(config_json: Union[dict, str, os.PathLike], **overrides
   if act != "silu":
     raise CheckpointError(f"{src}: hidden_act={act!r} is not supported (SwiGLU with silu only).")
 
-  fields = dict(
+  fields = dict(  # keys: HF_ARCH_FIELDS
       model_type=mt,
       vocab_size=need("vocab_size"),
       hidden_size=hidden,
@@ -186,6 +195,78 @@ def model_config_from_hf(config_json: Union[dict, str, os.PathLike], **overrides
     return ModelConfig(**fields)
   except ValueError as e:
     raise CheckpointError(f"{src}: {e}") from None
+
+
+def read_hf_config(path: Union[str, os.PathLike]) -> dict[str, Any]:
+  """The ``config.json`` of a checkpoint directory (or the file itself) as a dict."""
+  src = _config_path(path)
+  d = _read_json(src, "config.json")
+  if not isinstance(d, dict):
+    raise CheckpointError(f"{src}: expected a JSON object, got {type(d).__name__}")
+  return d
+
+
+def generation_stop_ids(path: Union[str, os.PathLike]) -> tuple[int, ...]:
+  """The ids that end generation for the checkpoint at ``path``: ``eos_token_id`` (an int
+  or a list) of its ``generation_config.json``, else of its ``config.json``; () if neither
+  names one. (Qwen3 instruct: ``(151645, 151643)``, ``<|im_end|>`` and ``<|endoftext|>``;
+  a run's ``config.sampling.stop_token_ids``.)"""
+  path = os.fspath(path)
+  for name in ("generation_config.json", CONFIG_NAME):
+    f = os.path.join(path, name)
+    if os.path.isfile(f):
+      eos = _read_json(f, name).get("eos_token_id")
+      if eos is not None:
+        return tuple(int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]))
+  return ()
+
+
+def hf_config_changes(model_config, path: Union[str, os.PathLike]) -> dict[str, tuple]:
+  """``{field: (value in model_config, value in config.json)}`` for every architecture
+  field (:data:`HF_ARCH_FIELDS`) on which ``model_config`` (a :class:`ModelConfig`, a
+  run config's ``model`` section or a dict) disagrees with ``path``'s ``config.json``."""
+  file_cfg = model_config_from_hf(path)
+  get = (model_config.get if hasattr(model_config, "get") else
+         lambda k, default=None: getattr(model_config, k, default))
+  return {f: (get(f, None), getattr(file_cfg, f)) for f in HF_ARCH_FIELDS
+          if get(f, None) != getattr(file_cfg, f)}
+
+
+def apply_hf_config(config, path: Union[str, os.PathLike]):
+  """A copy of run config ``config`` whose ``model`` section describes the checkpoint at ``path``.
+
+  Every architecture field of :class:`ModelConfig` (:data:`HF_ARCH_FIELDS`: model
+  type, sizes, heads, head_dim, ``rope_theta``, ``rms_norm_eps``, tied embeddings) is
+  set from ``path/config.json`` (read by :func:`model_config_from_hf`); the file wins
+  over the preset and over explicit ``--config.model.*`` values, because weights under
+  any other architecture are a silently wrong model. The run's other fields
+  (``param_dtype``, ``compute_dtype``, ``remat``, ...) are kept, and
+  ``model.hf_path`` is set to ``path`` (so the tokenizer is looked for there unless
+  ``model.tokenizer_path`` is set).
+  Changed fields are logged (``model.rope_theta: 10000.0 -> 1000000.0 ...``).
+  ``max_position_embeddings`` has no ModelConfig field; export reads it back from
+  ``config.json`` (``launch/export_hf.py``).
+
+  Args:
+    config: an ``ml_collections.ConfigDict`` with a ``model`` section
+      (``configs/base.py``); not modified.
+    path: a HF checkpoint directory (or its ``config.json``).
+
+  Returns:
+    the updated copy (set even when ``config`` is locked).
+  """
+  path = os.fspath(path)
+  changes = hf_config_changes(config.model, path)
+  config = copy.deepcopy(config)
+  with config.unlocked():
+    for f, (_, new) in changes.items():
+      config.model[f] = new
+    config.model.hf_path = path
+  if changes:
+    log.info("model config from %s: %s", os.path.join(path, CONFIG_NAME) if os.path.isdir(path)
+             else path, ", ".join(f"model.{f}: {old!r} -> {new!r}"
+                                  for f, (old, new) in changes.items()))
+  return config
 
 
 # config.json keys we write only when the base config does not have them.
@@ -530,15 +611,19 @@ def load_hf_params(path: Union[str, os.PathLike], cfg: Optional[ModelConfig] = N
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` (or shards +
       ``model.safetensors.index.json``).
-    cfg: optional :class:`ModelConfig`; its shape-deciding fields (model type,
-      sizes, ``tie_embeddings``) must agree with ``config.json``; the others
-      (dtypes, remat, rope_theta, eps) are taken from it. Default: read from
-      ``config.json`` via :func:`model_config_from_hf`.
+    cfg: optional :class:`ModelConfig` (a run passes its own, e.g.
+      ``RLTrainer.model_cfg``, so the params come in its ``param_dtype``); its
+      architecture fields (model type, sizes, ``tie_embeddings``, ``rope_theta``,
+      ``rms_norm_eps``) must agree with ``config.json`` (see
+      :func:`apply_hf_config`); dtypes and remat are taken from it. Default: read
+      from ``config.json`` via :func:`model_config_from_hf`, with float32 params.
     mesh: a ``jax.sharding.Mesh``; each param is created directly with
       ``NamedSharding(mesh, spec)``, spec from the logical rules. Without a mesh,
       everything goes to the first device.
     rules: logical-axis -> mesh-axis rules (default ``sharding.DEFAULT_RULES``).
-    dtype: storage dtype of the params (default ``cfg.param_dtype``).
+    dtype: storage dtype of the params (default ``cfg.param_dtype``; float32 without
+      ``cfg``). The cast from the stored dtype happens on the host, one device
+      shard at a time.
 
   Returns:
     ``(params, cfg)``, cfg with ``param_dtype`` set to the dtype used.
@@ -555,12 +640,14 @@ def load_hf_params(path: Union[str, os.PathLike], cfg: Optional[ModelConfig] = N
   if cfg is None:
     cfg = file_cfg
   else:
-    bad = [f for f in _ARCH_FIELDS if getattr(cfg, f) != getattr(file_cfg, f)]
+    bad = [f for f in HF_ARCH_FIELDS if getattr(cfg, f) != getattr(file_cfg, f)]
     if bad:
       raise CheckpointError(
           f"{cfg_src} disagrees with the given ModelConfig on " +
           ", ".join(f"{f} (file {getattr(file_cfg, f)!r}, config {getattr(cfg, f)!r})"
-                    for f in bad))
+                    for f in bad) +
+          "; take the model fields from the checkpoint with "
+          "fbos_jax.model.hf.apply_hf_config(config, path) (what --init_from_hf does).")
   dtype = jnp.dtype(dtype if dtype is not None else cfg.param_dtype)
   cfg = dataclasses.replace(cfg, param_dtype=dtype.name)
 
