@@ -47,103 +47,103 @@ __all__ = [
 
 
 def _members(rewards, valid):
-    """(rewards in >= float32 with invalid entries set to 0, bool member mask) after the shape check.
+  """(rewards in >= float32 with invalid entries set to 0, bool member mask) after the shape check.
 
-    A member is valid and has a finite reward; the ``where`` runs before any
-    arithmetic, so NaN/inf rewards touch neither the values nor the gradients.
-    """
-    r = jnp.asarray(rewards)
-    v = jnp.asarray(valid)
-    check_shape("rewards", r.shape, "valid", v.shape)
-    r = r.astype(float_dtype(r))
-    m = as_bool_mask(v) & jnp.isfinite(r)
-    return jnp.where(m, r, 0.0), m
+  A member is valid and has a finite reward; the ``where`` runs before any
+  arithmetic, so NaN/inf rewards touch neither the values nor the gradients.
+  """
+  r = jnp.asarray(rewards)
+  v = jnp.asarray(valid)
+  check_shape("rewards", r.shape, "valid", v.shape)
+  r = r.astype(float_dtype(r))
+  m = as_bool_mask(v) & jnp.isfinite(r)
+  return jnp.where(m, r, 0.0), m
 
 
 def group_stats(rewards, valid):
-    """Masked per-group statistics.
+  """Masked per-group statistics.
 
-    Args:
-      rewards: ``[..., G]`` rewards (any real dtype; computed in >= float32).
-      valid: ``[..., G]`` bool/float mask, same shape exactly; non-zero = member
-        present. Members with a non-finite reward count as invalid.
+  Args:
+    rewards: ``[..., G]`` rewards (any real dtype; computed in >= float32).
+    valid: ``[..., G]`` bool/float mask, same shape exactly; non-zero = member
+      present. Members with a non-finite reward count as invalid.
 
-    Returns:
-      dict with ``count [...]`` (float, valid finite members), ``mean [...]``,
-      ``std [...]`` (unbiased, 0 where count < 2), ``centered [..., G]``
-      (``r - mean`` on valid entries, 0 elsewhere) and ``degenerate [...]``
-      (bool: fewer than 2 valid members or all valid rewards equal; such groups
-      get advantage 0).
-    """
-    r0, m = _members(rewards, valid)
-    return _stats(r0, m)
+  Returns:
+    dict with ``count [...]`` (float, valid finite members), ``mean [...]``,
+    ``std [...]`` (unbiased, 0 where count < 2), ``centered [..., G]``
+    (``r - mean`` on valid entries, 0 elsewhere) and ``degenerate [...]``
+    (bool: fewer than 2 valid members or all valid rewards equal; such groups
+    get advantage 0).
+  """
+  r0, m = _members(rewards, valid)
+  return _stats(r0, m)
 
 
 def _stats(r0, m):
-    dt = r0.dtype
-    mf = m.astype(dt)
-    n = jnp.sum(mf, axis=-1)
-    mean = safe_div(jnp.sum(r0, axis=-1), n)
-    centered = jnp.where(m, r0 - mean[..., None], 0.0)
-    var = safe_div(jnp.sum(centered * centered, axis=-1), n - 1.0)
-    std = safe_sqrt(var)
-    big = jnp.asarray(jnp.inf, dt)
-    rmax = jnp.max(jnp.where(m, r0, -big), axis=-1)
-    rmin = jnp.min(jnp.where(m, r0, big), axis=-1)
-    degenerate = (n < 2) | (rmax == rmin)
-    return dict(count=n, mean=mean, std=std, centered=centered, degenerate=degenerate)
+  dt = r0.dtype
+  mf = m.astype(dt)
+  n = jnp.sum(mf, axis=-1)
+  mean = safe_div(jnp.sum(r0, axis=-1), n)
+  centered = jnp.where(m, r0 - mean[..., None], 0.0)
+  var = safe_div(jnp.sum(centered * centered, axis=-1), n - 1.0)
+  std = safe_sqrt(var)
+  big = jnp.asarray(jnp.inf, dt)
+  rmax = jnp.max(jnp.where(m, r0, -big), axis=-1)
+  rmin = jnp.min(jnp.where(m, r0, big), axis=-1)
+  degenerate = (n < 2) | (rmax == rmin)
+  return dict(count=n, mean=mean, std=std, centered=centered, degenerate=degenerate)
 
 
 def grpo_advantages(rewards, valid, *, eps: float = 1e-6):
-    """GRPO: ``A = (r - mean_G) / (std_G + eps)``, unbiased std, masked.
+  """GRPO: ``A = (r - mean_G) / (std_G + eps)``, unbiased std, masked.
 
-    Args:
-      rewards: ``[P, G]`` (or ``[..., G]``).
-      valid: ``[P, G]`` bool/float mask.
-      eps: added to the std (default 1e-6), >= 0.
+  Args:
+    rewards: ``[P, G]`` (or ``[..., G]``).
+    valid: ``[P, G]`` bool/float mask.
+    eps: added to the std (default 1e-6), >= 0.
 
-    Returns:
-      ``[P, G]`` advantages; 0 for invalid entries (including non-finite
-      rewards), for groups with < 2 valid members and (exactly) for groups
-      whose valid rewards are all equal.
-    """
-    check_range("eps", eps, ge=0)
-    s = group_stats(rewards, valid)
-    adv = s["centered"] / (s["std"] + eps)[..., None]
-    return jnp.where(s["degenerate"][..., None], 0.0, adv)
+  Returns:
+    ``[P, G]`` advantages; 0 for invalid entries (including non-finite
+    rewards), for groups with < 2 valid members and (exactly) for groups
+    whose valid rewards are all equal.
+  """
+  check_range("eps", eps, ge=0)
+  s = group_stats(rewards, valid)
+  adv = s["centered"] / (s["std"] + eps)[..., None]
+  return jnp.where(s["degenerate"][..., None], 0.0, adv)
 
 
 def drgrpo_advantages(rewards, valid, *, eps: float = 1e-6):
-    """Dr.GRPO: ``A = r - mean_G`` (no std). ``eps`` is accepted and unused.
+  """Dr.GRPO: ``A = r - mean_G`` (no std). ``eps`` is accepted and unused.
 
-    Shapes, zero rules and the non-finite rule as :func:`grpo_advantages`.
-    """
-    check_range("eps", eps, ge=0)
-    s = group_stats(rewards, valid)
-    return jnp.where(s["degenerate"][..., None], 0.0, s["centered"])
+  Shapes, zero rules and the non-finite rule as :func:`grpo_advantages`.
+  """
+  check_range("eps", eps, ge=0)
+  s = group_stats(rewards, valid)
+  return jnp.where(s["degenerate"][..., None], 0.0, s["centered"])
 
 
 def batch_std_advantages(rewards, valid, *, eps: float = 1e-6):
-    """TRL ``scale_rewards='batch'``: per-group mean, std over the whole batch.
+  """TRL ``scale_rewards='batch'``: per-group mean, std over the whole batch.
 
-    ``A = (r - mean_G) / (std_batch + eps)`` where ``std_batch`` is the unbiased
-    std of *all* valid rewards in the array (every leading axis pooled). Under
-    ``jit`` with a sharded batch this is the global-batch std. Groups with < 2
-    valid members or all-equal rewards get 0, as for GRPO. Non-finite rewards
-    are invalid members: they are left out of the batch std too, so one NaN
-    reward cannot change any other group's advantages.
-    """
-    check_range("eps", eps, ge=0)
-    r0, m = _members(rewards, valid)
-    s = _stats(r0, m)
-    flat_r = r0.reshape(-1)
-    flat_m = m.reshape(-1)
-    n = jnp.sum(flat_m.astype(r0.dtype))
-    mu = safe_div(jnp.sum(flat_r), n)
-    c = jnp.where(flat_m, flat_r - mu, 0.0)
-    std = safe_sqrt(safe_div(jnp.sum(c * c), n - 1.0))
-    adv = s["centered"] / (std + eps)
-    return jnp.where(s["degenerate"][..., None], 0.0, adv)
+  ``A = (r - mean_G) / (std_batch + eps)`` where ``std_batch`` is the unbiased
+  std of *all* valid rewards in the array (every leading axis pooled). Under
+  ``jit`` with a sharded batch this is the global-batch std. Groups with < 2
+  valid members or all-equal rewards get 0, as for GRPO. Non-finite rewards
+  are invalid members: they are left out of the batch std too, so one NaN
+  reward cannot change any other group's advantages.
+  """
+  check_range("eps", eps, ge=0)
+  r0, m = _members(rewards, valid)
+  s = _stats(r0, m)
+  flat_r = r0.reshape(-1)
+  flat_m = m.reshape(-1)
+  n = jnp.sum(flat_m.astype(r0.dtype))
+  mu = safe_div(jnp.sum(flat_r), n)
+  c = jnp.where(flat_m, flat_r - mu, 0.0)
+  std = safe_sqrt(safe_div(jnp.sum(c * c), n - 1.0))
+  adv = s["centered"] / (std + eps)
+  return jnp.where(s["degenerate"][..., None], 0.0, adv)
 
 
 ADVANTAGE_ESTIMATORS: Dict[str, Callable] = {
@@ -154,29 +154,29 @@ ADVANTAGE_ESTIMATORS: Dict[str, Callable] = {
 
 
 def get_advantage_estimator(name: str) -> Callable:
-    """Look up an advantage estimator by name; raises ``ValueError`` listing valid names."""
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
+  """Look up an advantage estimator by name; raises ``ValueError`` listing valid names."""
+  try:
+    return ADVANTAGE_ESTIMATORS[name]
+  except KeyError:
+    raise ValueError(
+        f"unknown advantage estimator {name!r}; valid names: {sorted(ADVANTAGE_ESTIMATORS)}"
+    ) from None
 
 
 def group_advantages(rewards, valid, *, estimator: str = "grpo", eps: float = 1e-6):
-    """Group-normalised advantages.
+  """Group-normalised advantages.
 
-    Args:
-      rewards: ``[P, G]`` rewards (``[..., G]`` also works).
-      valid: ``[P, G]`` bool/float validity mask (ragged groups), the shape of
-        ``rewards`` exactly.
-      estimator: ``"grpo"`` ((r-mean)/(std_unbiased+eps)), ``"drgrpo"`` (r-mean)
-        or ``"batch_std"`` (per-group mean, batch-wide unbiased std).
-      eps: added to the std, >= 0.
+  Args:
+    rewards: ``[P, G]`` rewards (``[..., G]`` also works).
+    valid: ``[P, G]`` bool/float validity mask (ragged groups), the shape of
+      ``rewards`` exactly.
+    estimator: ``"grpo"`` ((r-mean)/(std_unbiased+eps)), ``"drgrpo"`` (r-mean)
+      or ``"batch_std"`` (per-group mean, batch-wide unbiased std).
+    eps: added to the std, >= 0.
 
-    Returns:
-      ``[P, G]`` advantages in >= float32. Invalid entries, non-finite rewards
-      (treated as invalid and excluded from every statistic), groups with < 2
-      valid members, and all-equal groups give exactly 0.
-    """
-    return get_advantage_estimator(estimator)(rewards, valid, eps=eps)
+  Returns:
+    ``[P, G]`` advantages in >= float32. Invalid entries, non-finite rewards
+    (treated as invalid and excluded from every statistic), groups with < 2
+    valid members, and all-equal groups give exactly 0.
+  """
+  return get_advantage_estimator(estimator)(rewards, valid, eps=eps)

@@ -40,82 +40,82 @@ AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", 
 
 
 def safe_divide(total, denom):
-    """``total / denom`` where ``denom > 0``, else 0 (finite gradient in both cases)."""
-    return safe_div(jnp.asarray(total), jnp.asarray(denom))
+  """``total / denom`` where ``denom > 0``, else 0 (finite gradient in both cases)."""
+  return safe_div(jnp.asarray(total), jnp.asarray(denom))
 
 
 def _masked(loss, mask, loss_name="loss"):
-    """(loss * mask with masked positions zeroed *before* the multiply, float mask)."""
-    loss = jnp.asarray(loss)
-    m = jnp.asarray(mask)
-    check_shape(loss_name, loss.shape, "mask", m.shape)
-    loss = loss.astype(float_dtype(loss))
-    mf = m.astype(loss.dtype)
-    present = mf != 0
-    return jnp.where(present, loss, 0.0) * mf, mf
+  """(loss * mask with masked positions zeroed *before* the multiply, float mask)."""
+  loss = jnp.asarray(loss)
+  m = jnp.asarray(mask)
+  check_shape(loss_name, loss.shape, "mask", m.shape)
+  loss = loss.astype(float_dtype(loss))
+  mf = m.astype(loss.dtype)
+  present = mf != 0
+  return jnp.where(present, loss, 0.0) * mf, mf
 
 
 def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None):
-    """Aggregate a per-token loss into an exact ``(sum, denom)`` pair.
+  """Aggregate a per-token loss into an exact ``(sum, denom)`` pair.
 
-    Args:
-      loss: ``[B, T]`` per-token loss; NaN/inf at masked positions are ignored
-        (value and gradient).
-      mask: ``[B, T]`` bool/float loss mask, the shape of ``loss`` exactly
-        (float masks act as token weights).
-      mode:
-        * ``token-mean``: ``(sum_bt l m, sum_bt m)``.
-        * ``seq-mean-token-mean``: ``(sum_b rowsum_b / rowcount_b, #nonempty rows)``
-          (sum over nonempty rows only).
-        * ``seq-mean-token-sum``: ``(sum_b rowsum_b, #nonempty rows)``.
-        * ``seq-mean-token-sum-norm`` (Dr.GRPO): ``(sum_b rowsum_b / norm_len,
-          #nonempty rows)``, i.e. the mean over sequences of ``rowsum / L`` with
-          a constant ``L`` (the max response length). verl divides by ``T``
-          only (not by the number of sequences); we follow the Dr.GRPO paper's
-          ``1/(G * L_max)`` form.
-      norm_len: the constant ``L`` for ``seq-mean-token-sum-norm``; defaults to
-        ``T = loss.shape[-1]``; must be > 0. Pass the configured max response
-        length so that pieces padded to different ``T`` agree.
+  Args:
+    loss: ``[B, T]`` per-token loss; NaN/inf at masked positions are ignored
+      (value and gradient).
+    mask: ``[B, T]`` bool/float loss mask, the shape of ``loss`` exactly
+      (float masks act as token weights).
+    mode:
+      * ``token-mean``: ``(sum_bt l m, sum_bt m)``.
+      * ``seq-mean-token-mean``: ``(sum_b rowsum_b / rowcount_b, #nonempty rows)``
+        (sum over nonempty rows only).
+      * ``seq-mean-token-sum``: ``(sum_b rowsum_b, #nonempty rows)``.
+      * ``seq-mean-token-sum-norm`` (Dr.GRPO): ``(sum_b rowsum_b / norm_len,
+        #nonempty rows)``, i.e. the mean over sequences of ``rowsum / L`` with
+        a constant ``L`` (the max response length). verl divides by ``T``
+        only (not by the number of sequences); we follow the Dr.GRPO paper's
+        ``1/(G * L_max)`` form.
+    norm_len: the constant ``L`` for ``seq-mean-token-sum-norm``; defaults to
+      ``T = loss.shape[-1]``; must be > 0. Pass the configured max response
+      length so that pieces padded to different ``T`` agree.
 
-    Returns:
-      ``(sum, denom)`` float scalars. Final loss = ``safe_divide(sum, denom)``.
+  Returns:
+    ``(sum, denom)`` float scalars. Final loss = ``safe_divide(sum, denom)``.
 
-    Raises:
-      ValueError: ``mask`` shape differs from ``loss``; unknown ``mode``;
-        ``norm_len <= 0``.
-    """
-    check_choice("aggregation mode", mode, AGGREGATION_MODES)
-    if norm_len is not None:
-        check_range("norm_len", norm_len, gt=0)
-    lm, mf = _masked(loss, mask)
-    if mode == "token-mean":
-        return jnp.sum(lm), jnp.sum(mf)
-    rowsum = jnp.sum(lm, axis=-1)
-    rowcount = jnp.sum(mf, axis=-1)
-    nonempty = rowcount > 0
-    nrows = jnp.sum(nonempty.astype(lm.dtype))
-    if mode == "seq-mean-token-mean":
-        return jnp.sum(safe_div(rowsum, rowcount)), nrows
-    if mode == "seq-mean-token-sum":
-        return jnp.sum(rowsum), nrows
-    if mode == "seq-mean-token-sum-norm":
-        L = loss.shape[-1] if norm_len is None else norm_len
-        return jnp.sum(rowsum) / L, nrows
-    raise AssertionError(mode)  # unreachable: checked above
+  Raises:
+    ValueError: ``mask`` shape differs from ``loss``; unknown ``mode``;
+      ``norm_len <= 0``.
+  """
+  check_choice("aggregation mode", mode, AGGREGATION_MODES)
+  if norm_len is not None:
+    check_range("norm_len", norm_len, gt=0)
+  lm, mf = _masked(loss, mask)
+  if mode == "token-mean":
+    return jnp.sum(lm), jnp.sum(mf)
+  rowsum = jnp.sum(lm, axis=-1)
+  rowcount = jnp.sum(mf, axis=-1)
+  nonempty = rowcount > 0
+  nrows = jnp.sum(nonempty.astype(lm.dtype))
+  if mode == "seq-mean-token-mean":
+    return jnp.sum(safe_div(rowsum, rowcount)), nrows
+  if mode == "seq-mean-token-sum":
+    return jnp.sum(rowsum), nrows
+  if mode == "seq-mean-token-sum-norm":
+    L = loss.shape[-1] if norm_len is None else norm_len
+    return jnp.sum(rowsum) / L, nrows
+  raise AssertionError(mode)  # unreachable: checked above
 
 
 def aggregate_loss(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None):
-    """Convenience: ``safe_divide(*aggregate(loss, mask, mode, norm_len=norm_len))`` for one piece."""
-    return safe_divide(*aggregate(loss, mask, mode, norm_len=norm_len))
+  """Convenience: ``safe_divide(*aggregate(loss, mask, mode, norm_len=norm_len))`` for one piece."""
+  return safe_divide(*aggregate(loss, mask, mode, norm_len=norm_len))
 
 
 def masked_sum(x, mask, axis=None):
-    """``sum(x * mask)`` over ``axis``, ignoring NaN/inf at masked positions; ``mask`` the shape of ``x``."""
-    xm, _ = _masked(x, mask, "x")
-    return jnp.sum(xm, axis=axis)
+  """``sum(x * mask)`` over ``axis``, ignoring NaN/inf at masked positions; ``mask`` the shape of ``x``."""
+  xm, _ = _masked(x, mask, "x")
+  return jnp.sum(xm, axis=axis)
 
 
 def masked_mean(x, mask, axis=None):
-    """``sum(x m) / sum(m)`` over ``axis``; 0 (not NaN) where ``sum(m) == 0``; ``mask`` the shape of ``x``."""
-    xm, mf = _masked(x, mask, "x")
-    return safe_div(jnp.sum(xm, axis=axis), jnp.sum(mf, axis=axis))
+  """``sum(x m) / sum(m)`` over ``axis``; 0 (not NaN) where ``sum(m) == 0``; ``mask`` the shape of ``x``."""
+  xm, mf = _masked(x, mask, "x")
+  return safe_div(jnp.sum(xm, axis=axis), jnp.sum(mf, axis=axis))

@@ -105,79 +105,79 @@ _KL_KINDS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
 
 
 def _companion(name, x, logp):
-    """A ``[B, T]`` input that must have the shape of ``logp`` exactly, as >= float32."""
-    x = jnp.asarray(x)
-    check_shape("logp", logp.shape, name, x.shape)
-    return as_float(x)
+  """A ``[B, T]`` input that must have the shape of ``logp`` exactly, as >= float32."""
+  x = jnp.asarray(x)
+  check_shape("logp", logp.shape, name, x.shape)
+  return as_float(x)
 
 
 def _full_adv(adv, logp):
-    """``adv [B]`` or ``[B, T]`` -> ``[B, T]`` (>= float32); other shapes raise."""
-    adv = jnp.asarray(adv)
-    check_shape("logp", logp.shape, "adv", adv.shape, allowed=[logp.shape[:-1], logp.shape])
-    adv = as_float(adv)
-    if adv.ndim == logp.ndim - 1:
-        adv = jnp.broadcast_to(adv[..., None], logp.shape)
-    return adv
+  """``adv [B]`` or ``[B, T]`` -> ``[B, T]`` (>= float32); other shapes raise."""
+  adv = jnp.asarray(adv)
+  check_shape("logp", logp.shape, "adv", adv.shape, allowed=[logp.shape[:-1], logp.shape])
+  adv = as_float(adv)
+  if adv.ndim == logp.ndim - 1:
+    adv = jnp.broadcast_to(adv[..., None], logp.shape)
+  return adv
 
 
 def _token_mask(mask, logp):
-    """Bool ``[B, T]`` mask (the shape of ``logp`` exactly), or None."""
-    if mask is None:
-        return None
-    m = jnp.asarray(mask)
-    check_shape("logp", logp.shape, "mask", m.shape)
-    return as_bool_mask(m)
+  """Bool ``[B, T]`` mask (the shape of ``logp`` exactly), or None."""
+  if mask is None:
+    return None
+  m = jnp.asarray(mask)
+  check_shape("logp", logp.shape, "mask", m.shape)
+  return as_bool_mask(m)
 
 
 def _safe(m, x):
-    """Mask before arithmetic: masked positions of ``x`` -> 0 (a finite value; no gradient flows there)."""
-    return x if m is None else jnp.where(m, x, jnp.zeros((), x.dtype))
+  """Mask before arithmetic: masked positions of ``x`` -> 0 (a finite value; no gradient flows there)."""
+  return x if m is None else jnp.where(m, x, jnp.zeros((), x.dtype))
 
 
 def _zero_masked(m, loss, clipped=None):
-    """Loss exactly 0 and ``clipped`` False at masked positions."""
-    if m is not None:
-        loss = jnp.where(m, loss, jnp.zeros((), loss.dtype))
-        if clipped is not None:
-            clipped = clipped & m
-    return loss if clipped is None else (loss, clipped)
+  """Loss exactly 0 and ``clipped`` False at masked positions."""
+  if m is not None:
+    loss = jnp.where(m, loss, jnp.zeros((), loss.dtype))
+    if clipped is not None:
+      clipped = clipped & m
+  return loss if clipped is None else (loss, clipped)
 
 
 def _dual_clip_on(dual_clip) -> bool:
-    """None and a concrete 0 mean off (a traced 0 is handled inside :func:`_clip_objective`)."""
-    return dual_clip is not None and not (is_concrete_number(dual_clip) and dual_clip == 0)
+  """None and a concrete 0 mean off (a traced 0 is handled inside :func:`_clip_objective`)."""
+  return dual_clip is not None and not (is_concrete_number(dual_clip) and dual_clip == 0)
 
 
 def _check_clip(eps_low, eps_high, dual_clip):
-    check_range("eps_low", eps_low, ge=0, lt=1)
-    check_range("eps_high", eps_high, ge=0)
-    if _dual_clip_on(dual_clip):
-        check_range("dual_clip", dual_clip, gt=1, extra="or None/0 for off")
+  check_range("eps_low", eps_low, ge=0, lt=1)
+  check_range("eps_high", eps_high, ge=0)
+  if _dual_clip_on(dual_clip):
+    check_range("dual_clip", dual_clip, gt=1, extra="or None/0 for off")
 
 
 def _check_cap(behav_weight_cap):
-    if behav_weight_cap is not None:
-        check_range("behav_weight_cap", behav_weight_cap, ge=1, extra="or None for off")
+  if behav_weight_cap is not None:
+    check_range("behav_weight_cap", behav_weight_cap, ge=1, extra="or None for off")
 
 
 def _clamped_ratio(logp, logp_ref):
-    return jnp.exp(jnp.clip(logp - logp_ref, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+  return jnp.exp(jnp.clip(logp - logp_ref, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def _clip_objective(ratio, adv, eps_low, eps_high, dual_clip):
-    """max(-A r, -A clip(r)) [+ dual clip]; returns (loss, clipped)."""
-    l1 = -adv * ratio
-    l2 = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = jnp.maximum(l1, l2)
-    clipped = l2 > l1
-    if _dual_clip_on(dual_clip):
-        c = jnp.asarray(dual_clip, loss.dtype)
-        l3 = -adv * c
-        dual = (adv < 0) & (l3 < loss) & (c != 0)  # a traced c == 0 also means off
-        loss = jnp.where(dual, l3, loss)
-        clipped = clipped | dual
-    return loss, clipped
+  """max(-A r, -A clip(r)) [+ dual clip]; returns (loss, clipped)."""
+  l1 = -adv * ratio
+  l2 = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  loss = jnp.maximum(l1, l2)
+  clipped = l2 > l1
+  if _dual_clip_on(dual_clip):
+    c = jnp.asarray(dual_clip, loss.dtype)
+    l3 = -adv * c
+    dual = (adv < 0) & (l3 < loss) & (c != 0)  # a traced c == 0 also means off
+    loss = jnp.where(dual, l3, loss)
+    clipped = clipped | dual
+  return loss, clipped
 
 
 # --------------------------------------------------------------------------
@@ -187,220 +187,220 @@ def _clip_objective(ratio, adv, eps_low, eps_high, dual_clip):
 
 def ppo_clip_loss(logp, old_logp, adv, *, eps_low: float = 0.2, eps_high: float = 0.28,
                   dual_clip: Optional[float] = None, mask=None):
-    """PPO clipped surrogate with asymmetric eps (clip-higher) and optional dual clip.
+  """PPO clipped surrogate with asymmetric eps (clip-higher) and optional dual clip.
 
-    ``rho = exp(clip(logp - old_logp, -20, 20))``,
-    ``l = max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high))``; with ``dual_clip=c``
-    (c > 1, typically 3) and only where ``A < 0``: ``l = min(l, -A c)``.
+  ``rho = exp(clip(logp - old_logp, -20, 20))``,
+  ``l = max(-A rho, -A clip(rho, 1-eps_low, 1+eps_high))``; with ``dual_clip=c``
+  (c > 1, typically 3) and only where ``A < 0``: ``l = min(l, -A c)``.
 
-    Args:
-      logp: ``[B, T]`` current-policy token log-probs (differentiated).
-      old_logp: ``[B, T]`` sampling-policy log-probs (treated as data).
-      adv: ``[B]`` or ``[B, T]`` advantages.
-      eps_low, eps_high: clip range ``[1-eps_low, 1+eps_high]``;
-        ``0 <= eps_low < 1``, ``eps_high >= 0``.
-      dual_clip: None or 0 (off), or c > 1.
-      mask: optional ``[B, T]`` loss mask: masked positions of every input are
-        set to 0 before any arithmetic (loss 0, clipped False, no gradient).
+  Args:
+    logp: ``[B, T]`` current-policy token log-probs (differentiated).
+    old_logp: ``[B, T]`` sampling-policy log-probs (treated as data).
+    adv: ``[B]`` or ``[B, T]`` advantages.
+    eps_low, eps_high: clip range ``[1-eps_low, 1+eps_high]``;
+      ``0 <= eps_low < 1``, ``eps_high >= 0``.
+    dual_clip: None or 0 (off), or c > 1.
+    mask: optional ``[B, T]`` loss mask: masked positions of every input are
+      set to 0 before any arithmetic (loss 0, clipped False, no gradient).
 
-    Returns:
-      ``(loss [B, T] float32, clipped [B, T] bool)``.
-    """
-    _check_clip(eps_low, eps_high, dual_clip)
-    logp = as_float(logp)
-    old = _companion("old_logp", old_logp, logp)
-    a = _full_adv(adv, logp)
-    m = _token_mask(mask, logp)
-    logp, old, a = _safe(m, logp), _safe(m, old), _safe(m, a)
-    ratio = _clamped_ratio(logp, jax.lax.stop_gradient(old))
-    return _zero_masked(m, *_clip_objective(ratio, a, eps_low, eps_high, dual_clip))
+  Returns:
+    ``(loss [B, T] float32, clipped [B, T] bool)``.
+  """
+  _check_clip(eps_low, eps_high, dual_clip)
+  logp = as_float(logp)
+  old = _companion("old_logp", old_logp, logp)
+  a = _full_adv(adv, logp)
+  m = _token_mask(mask, logp)
+  logp, old, a = _safe(m, logp), _safe(m, old), _safe(m, a)
+  ratio = _clamped_ratio(logp, jax.lax.stop_gradient(old))
+  return _zero_masked(m, *_clip_objective(ratio, a, eps_low, eps_high, dual_clip))
 
 
 def reshaped_ratio(log_u, lam: float = 0.1):
-    """``f(u) = u / (u + lam)`` evaluated stably from ``log u`` (= sigmoid(log u - log lam)).
+  """``f(u) = u / (u + lam)`` evaluated stably from ``log u`` (= sigmoid(log u - log lam)).
 
-    ``d f / d log u = lam u / (u + lam)^2 = f (1 - f)``. Computed in >= float32
-    (integer ``log_u`` is converted, never ``lam`` truncated); ``lam > 0``.
-    """
-    check_range("lam", lam, gt=0)
-    log_u = as_float(log_u)
-    return jax.nn.sigmoid(log_u - jnp.log(jnp.asarray(lam, log_u.dtype)))
+  ``d f / d log u = lam u / (u + lam)^2 = f (1 - f)``. Computed in >= float32
+  (integer ``log_u`` is converted, never ``lam`` truncated); ``lam > 0``.
+  """
+  check_range("lam", lam, gt=0)
+  log_u = as_float(log_u)
+  return jax.nn.sigmoid(log_u - jnp.log(jnp.asarray(lam, log_u.dtype)))
 
 
 def offpolicy_loss(logp, adv, *, lam: float = 0.1, behaviour_logp=None, denominator: str = "one", mask=None):
-    """Off-policy (LUFFY/GOLF) token loss ``-A f(u)``, ``f(u) = u/(u+lam)``, no clipping.
+  """Off-policy (LUFFY/GOLF) token loss ``-A f(u)``, ``f(u) = u/(u+lam)``, no clipping.
 
-    Args:
-      logp: ``[B, T]`` current-policy log-probs (differentiated).
-      adv: ``[B]`` or ``[B, T]``.
-      lam: lambda (default 0.1), > 0.
-      behaviour_logp: ``[B, T]`` log-probs of the behaviour policy; required
-        for ``denominator='behaviour'``.
-      denominator: ``'one'``: ``u = pi_theta`` (GOLF/LUFFY code, default);
-        ``'behaviour'``: ``u = exp(clip(logp - behaviour_logp, -20, 20))``.
-      mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
+  Args:
+    logp: ``[B, T]`` current-policy log-probs (differentiated).
+    adv: ``[B]`` or ``[B, T]``.
+    lam: lambda (default 0.1), > 0.
+    behaviour_logp: ``[B, T]`` log-probs of the behaviour policy; required
+      for ``denominator='behaviour'``.
+    denominator: ``'one'``: ``u = pi_theta`` (GOLF/LUFFY code, default);
+      ``'behaviour'``: ``u = exp(clip(logp - behaviour_logp, -20, 20))``.
+    mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
 
-    Returns:
-      ``loss [B, T]`` float32. Gradient: ``-A lam u/(u+lam)^2 * grad log pi``.
-    """
-    check_range("lam", lam, gt=0)
-    check_choice("denominator", denominator, _DENOMINATORS)
-    logp = as_float(logp)
-    a = _full_adv(adv, logp)
-    m = _token_mask(mask, logp)
-    beh = None if behaviour_logp is None else _companion("behaviour_logp", behaviour_logp, logp)
-    logp, a = _safe(m, logp), _safe(m, a)
-    if denominator == "one":
-        log_u = logp
-    else:
-        if beh is None:
-            raise ValueError("denominator='behaviour' needs behaviour_logp")
-        log_u = jnp.clip(logp - jax.lax.stop_gradient(_safe(m, beh)), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return _zero_masked(m, -a * reshaped_ratio(log_u, lam))
+  Returns:
+    ``loss [B, T]`` float32. Gradient: ``-A lam u/(u+lam)^2 * grad log pi``.
+  """
+  check_range("lam", lam, gt=0)
+  check_choice("denominator", denominator, _DENOMINATORS)
+  logp = as_float(logp)
+  a = _full_adv(adv, logp)
+  m = _token_mask(mask, logp)
+  beh = None if behaviour_logp is None else _companion("behaviour_logp", behaviour_logp, logp)
+  logp, a = _safe(m, logp), _safe(m, a)
+  if denominator == "one":
+    log_u = logp
+  else:
+    if beh is None:
+      raise ValueError("denominator='behaviour' needs behaviour_logp")
+    log_u = jnp.clip(logp - jax.lax.stop_gradient(_safe(m, beh)), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+  return _zero_masked(m, -a * reshaped_ratio(log_u, lam))
 
 
 def policy_loss(logp, old_logp, adv, is_offpolicy=None, *, eps_low: float = 0.2, eps_high: float = 0.28,
                 dual_clip: Optional[float] = None, lam: float = 0.1, denominator: str = "one", mask=None):
-    """On- and off-policy samples in one call, selected per sample.
+  """On- and off-policy samples in one call, selected per sample.
 
-    Rows with ``is_offpolicy[b]`` use :func:`offpolicy_loss` (``old_logp`` is
-    the behaviour log-prob, used only when ``denominator='behaviour'``); the
-    others use :func:`ppo_clip_loss`.
+  Rows with ``is_offpolicy[b]`` use :func:`offpolicy_loss` (``old_logp`` is
+  the behaviour log-prob, used only when ``denominator='behaviour'``); the
+  others use :func:`ppo_clip_loss`.
 
-    Args:
-      logp, old_logp: ``[B, T]``.
-      adv: ``[B]`` or ``[B, T]``.
-      is_offpolicy: ``[B]`` bool/float flag (``logp.shape[:-1]`` exactly);
-        None = every row on-policy.
-      eps_low, eps_high, dual_clip: as :func:`ppo_clip_loss`.
-      lam, denominator: as :func:`offpolicy_loss`.
-      mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
+  Args:
+    logp, old_logp: ``[B, T]``.
+    adv: ``[B]`` or ``[B, T]``.
+    is_offpolicy: ``[B]`` bool/float flag (``logp.shape[:-1]`` exactly);
+      None = every row on-policy.
+    eps_low, eps_high, dual_clip: as :func:`ppo_clip_loss`.
+    lam, denominator: as :func:`offpolicy_loss`.
+    mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
 
-    Returns:
-      ``(loss [B, T], clipped [B, T] bool)``; ``clipped`` is False on off-policy rows.
-    """
-    check_range("lam", lam, gt=0)
-    check_choice("denominator", denominator, _DENOMINATORS)
-    on_loss, on_clipped = ppo_clip_loss(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high,
-                                        dual_clip=dual_clip, mask=mask)
-    if is_offpolicy is None:
-        return on_loss, on_clipped
-    flag = jnp.asarray(is_offpolicy)
-    check_shape("logp", on_loss.shape, "is_offpolicy", flag.shape, allowed=[on_loss.shape[:-1]])
-    off = offpolicy_loss(logp, adv, lam=lam, behaviour_logp=old_logp, denominator=denominator, mask=mask)
-    flag = as_bool_mask(flag)[..., None]
-    return jnp.where(flag, off, on_loss), on_clipped & ~flag
+  Returns:
+    ``(loss [B, T], clipped [B, T] bool)``; ``clipped`` is False on off-policy rows.
+  """
+  check_range("lam", lam, gt=0)
+  check_choice("denominator", denominator, _DENOMINATORS)
+  on_loss, on_clipped = ppo_clip_loss(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high,
+                                      dual_clip=dual_clip, mask=mask)
+  if is_offpolicy is None:
+    return on_loss, on_clipped
+  flag = jnp.asarray(is_offpolicy)
+  check_shape("logp", on_loss.shape, "is_offpolicy", flag.shape, allowed=[on_loss.shape[:-1]])
+  off = offpolicy_loss(logp, adv, lam=lam, behaviour_logp=old_logp, denominator=denominator, mask=mask)
+  flag = as_bool_mask(flag)[..., None]
+  return jnp.where(flag, off, on_loss), on_clipped & ~flag
 
 
 def decoupled_ppo_loss(logp, prox_logp, behav_logp, adv, *, eps_low: float = 0.2,
                        eps_high: float = 0.28, behav_weight_cap: Optional[float] = 5.0,
                        dual_clip: Optional[float] = None, mask=None):
-    """AReaL decoupled PPO objective for stale rollouts (ALGORITHMS.md section 8).
+  """AReaL decoupled PPO objective for stale rollouts (ALGORITHMS.md section 8).
 
-    ``u = exp(clip(logp - prox_logp, -20, 20))``,
-    ``w = exp(clip(prox_logp - behav_logp, -20, 20))`` (no gradient),
-    ``w := 0 where w > behav_weight_cap`` (masked, *not* clipped; cap None = off),
-    ``l = w * max(-A u, -A clip(u, 1-eps_low, 1+eps_high))``.
+  ``u = exp(clip(logp - prox_logp, -20, 20))``,
+  ``w = exp(clip(prox_logp - behav_logp, -20, 20))`` (no gradient),
+  ``w := 0 where w > behav_weight_cap`` (masked, *not* clipped; cap None = off),
+  ``l = w * max(-A u, -A clip(u, 1-eps_low, 1+eps_high))``.
 
-    Args:
-      logp: ``[B, T]`` current policy (differentiated).
-      prox_logp: ``[B, T]`` proximal policy, recomputed at the start of the step.
-      behav_logp: ``[B, T]`` behaviour policy that generated the rollout.
-      adv: ``[B]`` or ``[B, T]``.
-      eps_low, eps_high, dual_clip: as :func:`ppo_clip_loss`.
-      behav_weight_cap: None (off) or a cap >= 1 (a cap below 1 would mask
-        every token of a fresh rollout, where ``w = 1``).
-      mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
+  Args:
+    logp: ``[B, T]`` current policy (differentiated).
+    prox_logp: ``[B, T]`` proximal policy, recomputed at the start of the step.
+    behav_logp: ``[B, T]`` behaviour policy that generated the rollout.
+    adv: ``[B]`` or ``[B, T]``.
+    eps_low, eps_high, dual_clip: as :func:`ppo_clip_loss`.
+    behav_weight_cap: None (off) or a cap >= 1 (a cap below 1 would mask
+      every token of a fresh rollout, where ``w = 1``).
+    mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
 
-    Returns:
-      ``(loss [B, T], clipped [B, T] bool)``.
-    """
-    _check_clip(eps_low, eps_high, dual_clip)
-    _check_cap(behav_weight_cap)
-    logp = as_float(logp)
-    prox = _companion("prox_logp", prox_logp, logp)
-    behav = _companion("behav_logp", behav_logp, logp)
-    a = _full_adv(adv, logp)
-    m = _token_mask(mask, logp)
-    logp, prox, behav, a = _safe(m, logp), _safe(m, prox), _safe(m, behav), _safe(m, a)
-    prox = jax.lax.stop_gradient(prox)
-    behav = jax.lax.stop_gradient(behav)
-    u = _clamped_ratio(logp, prox)
-    loss, clipped = _clip_objective(u, a, eps_low, eps_high, dual_clip)
-    w = _clamped_ratio(prox, behav)
-    if behav_weight_cap is not None:
-        w = jnp.where(w > behav_weight_cap, 0.0, w)
-    return _zero_masked(m, w * loss, clipped)
+  Returns:
+    ``(loss [B, T], clipped [B, T] bool)``.
+  """
+  _check_clip(eps_low, eps_high, dual_clip)
+  _check_cap(behav_weight_cap)
+  logp = as_float(logp)
+  prox = _companion("prox_logp", prox_logp, logp)
+  behav = _companion("behav_logp", behav_logp, logp)
+  a = _full_adv(adv, logp)
+  m = _token_mask(mask, logp)
+  logp, prox, behav, a = _safe(m, logp), _safe(m, prox), _safe(m, behav), _safe(m, a)
+  prox = jax.lax.stop_gradient(prox)
+  behav = jax.lax.stop_gradient(behav)
+  u = _clamped_ratio(logp, prox)
+  loss, clipped = _clip_objective(u, a, eps_low, eps_high, dual_clip)
+  w = _clamped_ratio(prox, behav)
+  if behav_weight_cap is not None:
+    w = jnp.where(w > behav_weight_cap, 0.0, w)
+  return _zero_masked(m, w * loss, clipped)
 
 
 def mle_loss(logp, *, mask=None):
-    """Negative log-likelihood per token, ``l_t = -logp_t`` (FCP, SFT; ALGORITHMS.md section 7).
+  """Negative log-likelihood per token, ``l_t = -logp_t`` (FCP, SFT; ALGORITHMS.md section 7).
 
-    Args:
-      logp: ``[B, T]`` token log-probs (differentiated).
-      mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
+  Args:
+    logp: ``[B, T]`` token log-probs (differentiated).
+    mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
 
-    Returns:
-      ``loss [B, T]`` float32.
-    """
-    logp = as_float(logp)
-    m = _token_mask(mask, logp)
-    return _zero_masked(m, -_safe(m, logp))
+  Returns:
+    ``loss [B, T]`` float32.
+  """
+  logp = as_float(logp)
+  m = _token_mask(mask, logp)
+  return _zero_masked(m, -_safe(m, logp))
 
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", *, mask=None):
-    """Per-token KL estimators to a frozen reference, ``d = logp - ref_logp``.
+  """Per-token KL estimators to a frozen reference, ``d = logp - ref_logp``.
 
-    * ``k1`` (alias ``kl``): ``d``
-    * ``k2`` (alias ``mse``): ``0.5 d^2``
-    * ``k3`` (alias ``low_var_kl``): ``x = clip(-d, -20, 20)``,
-      ``clip(exp(x) - x - 1, -10, 10)`` (verl's clamps).
+  * ``k1`` (alias ``kl``): ``d``
+  * ``k2`` (alias ``mse``): ``0.5 d^2``
+  * ``k3`` (alias ``low_var_kl``): ``x = clip(-d, -20, 20)``,
+    ``clip(exp(x) - x - 1, -10, 10)`` (verl's clamps).
 
-    ``ref_logp`` must have the shape of ``logp`` exactly; ``mask`` (optional,
-    same shape) sets masked inputs to 0 before any arithmetic (KL 0 there).
+  ``ref_logp`` must have the shape of ``logp`` exactly; ``mask`` (optional,
+  same shape) sets masked inputs to 0 before any arithmetic (KL 0 there).
 
-    Returns ``[B, T]`` float32.
-    """
-    if kind not in _KL_KINDS:
-        raise ValueError(f"unknown KL estimator kind {kind!r}; valid: k1, k2, k3 (aliases kl, mse, low_var_kl)")
-    logp = as_float(logp)
-    ref = _companion("ref_logp", ref_logp, logp)
-    m = _token_mask(mask, logp)
-    logp, ref = _safe(m, logp), jax.lax.stop_gradient(_safe(m, ref))
-    d = logp - ref
-    if kind in ("k1", "kl"):
-        out = d
-    elif kind in ("k2", "mse"):
-        out = 0.5 * d * d
-    else:
-        x = jnp.clip(-d, -20.0, 20.0)
-        out = jnp.clip(jnp.exp(x) - x - 1.0, -10.0, 10.0)
-    return _zero_masked(m, out)
+  Returns ``[B, T]`` float32.
+  """
+  if kind not in _KL_KINDS:
+    raise ValueError(f"unknown KL estimator kind {kind!r}; valid: k1, k2, k3 (aliases kl, mse, low_var_kl)")
+  logp = as_float(logp)
+  ref = _companion("ref_logp", ref_logp, logp)
+  m = _token_mask(mask, logp)
+  logp, ref = _safe(m, logp), jax.lax.stop_gradient(_safe(m, ref))
+  d = logp - ref
+  if kind in ("k1", "kl"):
+    out = d
+  elif kind in ("k2", "mse"):
+    out = 0.5 * d * d
+  else:
+    x = jnp.clip(-d, -20.0, 20.0)
+    out = jnp.clip(jnp.exp(x) - x - 1.0, -10.0, 10.0)
+  return _zero_masked(m, out)
 
 
 def entropy_from_logits(logits):
-    """Entropy ``logsumexp(z) - sum softmax(z) z`` over the last axis, in >= float32.
+  """Entropy ``logsumexp(z) - sum softmax(z) z`` over the last axis, in >= float32.
 
-    Computed relative to the row max, ``z' = z - max z`` (the entropy is
-    shift-invariant): ``H = logsumexp(z') - sum softmax(z') z'``. Without the
-    shift both terms are ~``max z`` and their difference loses the digits
-    (float32 error 1.4e-3 at logits ~1e4, 4.5e-3 at ~3e4, before the fix). ``-inf`` logits (masked
-    vocabulary entries) are handled (they contribute 0).
+  Computed relative to the row max, ``z' = z - max z`` (the entropy is
+  shift-invariant): ``H = logsumexp(z') - sum softmax(z') z'``. Without the
+  shift both terms are ~``max z`` and their difference loses the digits
+  (float32 error 1.4e-3 at logits ~1e4, 4.5e-3 at ~3e4, before the fix). ``-inf`` logits (masked
+  vocabulary entries) are handled (they contribute 0).
 
-    Args:
-      logits: ``[..., V]``.
+  Args:
+    logits: ``[..., V]``.
 
-    Returns:
-      ``[...]`` float32 (float64 for float64 logits).
-    """
-    z = as_float(logits)
-    zmax = jnp.max(z, axis=-1, keepdims=True)
-    zmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(zmax), zmax, 0.0))
-    zc = z - zmax
-    lse = jax.nn.logsumexp(zc, axis=-1)
-    p = jax.nn.softmax(zc, axis=-1)
-    zc_safe = jnp.where(jnp.isfinite(zc), zc, 0.0)
-    return lse - jnp.sum(p * zc_safe, axis=-1)
+  Returns:
+    ``[...]`` float32 (float64 for float64 logits).
+  """
+  z = as_float(logits)
+  zmax = jnp.max(z, axis=-1, keepdims=True)
+  zmax = jax.lax.stop_gradient(jnp.where(jnp.isfinite(zmax), zmax, 0.0))
+  zc = z - zmax
+  lse = jax.nn.logsumexp(zc, axis=-1)
+  p = jax.nn.softmax(zc, axis=-1)
+  zc_safe = jnp.where(jnp.isfinite(zc), zc, 0.0)
+  return lse - jnp.sum(p * zc_safe, axis=-1)
 
 
 # --------------------------------------------------------------------------
@@ -412,89 +412,89 @@ _REGISTRY_HPARAMS = {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": None, "lam":
 
 
 def _hparams(name, given):
-    """Fill the registry defaults and validate the whole set (used or not by ``name``)."""
-    unknown = sorted(set(given) - set(_REGISTRY_HPARAMS))
-    if unknown:
-        raise TypeError(f"policy loss {name!r} got unknown hyperparameter(s) {unknown}; "
-                        f"accepted: {sorted(_REGISTRY_HPARAMS)}")
-    h = {**_REGISTRY_HPARAMS, **given}
-    _check_clip(h["eps_low"], h["eps_high"], h["dual_clip"])
-    check_range("lam", h["lam"], gt=0)
-    check_choice("denominator", h["denominator"], _DENOMINATORS)
-    _check_cap(h["behav_weight_cap"])
-    return h
+  """Fill the registry defaults and validate the whole set (used or not by ``name``)."""
+  unknown = sorted(set(given) - set(_REGISTRY_HPARAMS))
+  if unknown:
+    raise TypeError(f"policy loss {name!r} got unknown hyperparameter(s) {unknown}; "
+                    f"accepted: {sorted(_REGISTRY_HPARAMS)}")
+  h = {**_REGISTRY_HPARAMS, **given}
+  _check_clip(h["eps_low"], h["eps_high"], h["dual_clip"])
+  check_range("lam", h["lam"], gt=0)
+  check_choice("denominator", h["denominator"], _DENOMINATORS)
+  _check_cap(h["behav_weight_cap"])
+  return h
 
 
 def _require(name, **inputs):
-    for key, value in inputs.items():
-        if value is None:
-            raise ValueError(f"policy loss {name!r} needs {key}")
+  for key, value in inputs.items():
+    if value is None:
+      raise ValueError(f"policy loss {name!r} needs {key}")
 
 
 def _refuse(name, hint, **inputs):
-    for key, value in inputs.items():
-        if value is not None:
-            raise ValueError(f"policy loss {name!r} does not use {key} (it would be ignored); {hint}")
+  for key, value in inputs.items():
+    if value is not None:
+      raise ValueError(f"policy loss {name!r} does not use {key} (it would be ignored); {hint}")
 
 
 def _ppo_kw(h):
-    return dict(eps_low=h["eps_low"], eps_high=h["eps_high"], dual_clip=h["dual_clip"])
+  return dict(eps_low=h["eps_low"], eps_high=h["eps_high"], dual_clip=h["dual_clip"])
 
 
 def _policy_gradient_entry(logp, old_logp=None, adv=None, is_offpolicy=None, *, prox_logp=None, mask=None,
                            **hparams):
-    """Registry ``policy_gradient`` (alias ``mixed``): :func:`policy_loss`."""
-    h = _hparams("policy_gradient", hparams)
-    _require("policy_gradient", old_logp=old_logp, adv=adv)
-    _refuse("policy_gradient", "use 'decoupled' for the AReaL objective", prox_logp=prox_logp)
-    return policy_loss(logp, old_logp, adv, is_offpolicy, lam=h["lam"], denominator=h["denominator"],
-                       mask=mask, **_ppo_kw(h))
+  """Registry ``policy_gradient`` (alias ``mixed``): :func:`policy_loss`."""
+  h = _hparams("policy_gradient", hparams)
+  _require("policy_gradient", old_logp=old_logp, adv=adv)
+  _refuse("policy_gradient", "use 'decoupled' for the AReaL objective", prox_logp=prox_logp)
+  return policy_loss(logp, old_logp, adv, is_offpolicy, lam=h["lam"], denominator=h["denominator"],
+                     mask=mask, **_ppo_kw(h))
 
 
 def _decoupled_entry(logp, old_logp=None, adv=None, is_offpolicy=None, *, prox_logp=None, mask=None, **hparams):
-    """Registry ``decoupled``: :func:`decoupled_ppo_loss` (behaviour = ``old_logp``) on on-policy rows,
-    :func:`offpolicy_loss` on off-policy rows."""
-    h = _hparams("decoupled", hparams)
-    _require("decoupled", old_logp=old_logp, adv=adv, prox_logp=prox_logp)
-    loss, clipped = decoupled_ppo_loss(logp, prox_logp, old_logp, adv, behav_weight_cap=h["behav_weight_cap"],
-                                       mask=mask, **_ppo_kw(h))
-    if is_offpolicy is None:
-        return loss, clipped
-    flag = jnp.asarray(is_offpolicy)
-    check_shape("logp", loss.shape, "is_offpolicy", flag.shape, allowed=[loss.shape[:-1]])
-    off = offpolicy_loss(logp, adv, lam=h["lam"], behaviour_logp=old_logp, denominator=h["denominator"],
-                         mask=mask)
-    flag = as_bool_mask(flag)[..., None]
-    return jnp.where(flag, off, loss), clipped & ~flag
+  """Registry ``decoupled``: :func:`decoupled_ppo_loss` (behaviour = ``old_logp``) on on-policy rows,
+  :func:`offpolicy_loss` on off-policy rows."""
+  h = _hparams("decoupled", hparams)
+  _require("decoupled", old_logp=old_logp, adv=adv, prox_logp=prox_logp)
+  loss, clipped = decoupled_ppo_loss(logp, prox_logp, old_logp, adv, behav_weight_cap=h["behav_weight_cap"],
+                                     mask=mask, **_ppo_kw(h))
+  if is_offpolicy is None:
+    return loss, clipped
+  flag = jnp.asarray(is_offpolicy)
+  check_shape("logp", loss.shape, "is_offpolicy", flag.shape, allowed=[loss.shape[:-1]])
+  off = offpolicy_loss(logp, adv, lam=h["lam"], behaviour_logp=old_logp, denominator=h["denominator"],
+                       mask=mask)
+  flag = as_bool_mask(flag)[..., None]
+  return jnp.where(flag, off, loss), clipped & ~flag
 
 
 def _ppo_clip_entry(logp, old_logp=None, adv=None, is_offpolicy=None, *, prox_logp=None, mask=None, **hparams):
-    """Registry ``ppo_clip``: :func:`ppo_clip_loss` on every row."""
-    h = _hparams("ppo_clip", hparams)
-    _require("ppo_clip", old_logp=old_logp, adv=adv)
-    _refuse("ppo_clip", "use 'policy_gradient' for mixed on/off-policy rows, 'decoupled' for AReaL",
-            is_offpolicy=is_offpolicy, prox_logp=prox_logp)
-    return ppo_clip_loss(logp, old_logp, adv, mask=mask, **_ppo_kw(h))
+  """Registry ``ppo_clip``: :func:`ppo_clip_loss` on every row."""
+  h = _hparams("ppo_clip", hparams)
+  _require("ppo_clip", old_logp=old_logp, adv=adv)
+  _refuse("ppo_clip", "use 'policy_gradient' for mixed on/off-policy rows, 'decoupled' for AReaL",
+          is_offpolicy=is_offpolicy, prox_logp=prox_logp)
+  return ppo_clip_loss(logp, old_logp, adv, mask=mask, **_ppo_kw(h))
 
 
 def _offpolicy_entry(logp, old_logp=None, adv=None, is_offpolicy=None, *, prox_logp=None, mask=None, **hparams):
-    """Registry ``offpolicy``: :func:`offpolicy_loss` on every row (``old_logp`` = behaviour)."""
-    h = _hparams("offpolicy", hparams)
-    _require("offpolicy", adv=adv)
-    _refuse("offpolicy", "use 'policy_gradient' for mixed on/off-policy rows",
-            is_offpolicy=is_offpolicy, prox_logp=prox_logp)
-    loss = offpolicy_loss(logp, adv, lam=h["lam"], behaviour_logp=old_logp, denominator=h["denominator"],
-                          mask=mask)
-    return loss, jnp.zeros(loss.shape, bool)
+  """Registry ``offpolicy``: :func:`offpolicy_loss` on every row (``old_logp`` = behaviour)."""
+  h = _hparams("offpolicy", hparams)
+  _require("offpolicy", adv=adv)
+  _refuse("offpolicy", "use 'policy_gradient' for mixed on/off-policy rows",
+          is_offpolicy=is_offpolicy, prox_logp=prox_logp)
+  loss = offpolicy_loss(logp, adv, lam=h["lam"], behaviour_logp=old_logp, denominator=h["denominator"],
+                        mask=mask)
+  return loss, jnp.zeros(loss.shape, bool)
 
 
 def _mle_entry(logp, old_logp=None, adv=None, is_offpolicy=None, *, prox_logp=None, mask=None, **hparams):
-    """Registry ``mle``: :func:`mle_loss`; ``old_logp``, ``adv`` and ``is_offpolicy`` are not used."""
-    _hparams("mle", hparams)
-    _refuse("mle", "MLE has no importance ratio", prox_logp=prox_logp)
-    del old_logp, adv, is_offpolicy
-    loss = mle_loss(logp, mask=mask)
-    return loss, jnp.zeros(loss.shape, bool)
+  """Registry ``mle``: :func:`mle_loss`; ``old_logp``, ``adv`` and ``is_offpolicy`` are not used."""
+  _hparams("mle", hparams)
+  _refuse("mle", "MLE has no importance ratio", prox_logp=prox_logp)
+  del old_logp, adv, is_offpolicy
+  loss = mle_loss(logp, mask=mask)
+  return loss, jnp.zeros(loss.shape, bool)
 
 
 POLICY_LOSSES: Dict[str, Callable] = {
@@ -508,19 +508,19 @@ POLICY_LOSSES: Dict[str, Callable] = {
 
 
 def get_policy_loss(name: str) -> Callable:
-    """Look up a policy loss by name; raises ``ValueError`` listing valid names.
+  """Look up a policy loss by name; raises ``ValueError`` listing valid names.
 
-    Every entry has the call contract of the module docstring::
+  Every entry has the call contract of the module docstring::
 
-        loss, clipped = get_policy_loss(name)(logp, old_logp=None, adv=None, is_offpolicy=None, *,
-                                              prox_logp=None, mask=None, **hparams)
+      loss, clipped = get_policy_loss(name)(logp, old_logp=None, adv=None, is_offpolicy=None, *,
+                                            prox_logp=None, mask=None, **hparams)
 
-    with ``hparams`` among ``eps_low, eps_high, dual_clip, lam, denominator,
-    behav_weight_cap``; ``loss`` and ``clipped`` are ``[B, T]`` (unreduced).
-    Entries: ``policy_gradient`` (= ``mixed``), ``decoupled``, ``ppo_clip``,
-    ``offpolicy``, ``mle``.
-    """
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}") from None
+  with ``hparams`` among ``eps_low, eps_high, dual_clip, lam, denominator,
+  behav_weight_cap``; ``loss`` and ``clipped`` are ``[B, T]`` (unreduced).
+  Entries: ``policy_gradient`` (= ``mixed``), ``decoupled``, ``ppo_clip``,
+  ``offpolicy``, ``mle``.
+  """
+  try:
+    return POLICY_LOSSES[name]
+  except KeyError:
+    raise ValueError(f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}") from None
