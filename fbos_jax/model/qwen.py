@@ -35,6 +35,15 @@ time and a single scalar index serves the whole batch; ``kv_mask [B, S]`` says
 which slots hold real (non-pad) tokens. Positions come from the attention mask,
 not from slot numbers, so left padding does not shift RoPE.
 
+Attention (:mod:`fbos_jax.model.attention`, chosen by ``ModelConfig.attention``):
+``dense`` materialises float32 scores ``[B, K, G, T, S]`` (the reference);
+``blocked`` is flash attention in plain XLA (a few ``[.., block_q, block_kv]``
+score tiles in the forward and the backward); ``pallas`` is the TPU splash
+kernel, under ``jax.shard_map`` when a mesh is in context (``jax.set_mesh``);
+``auto`` (default) keeps dense while the scores are one tile or for a decode
+step (T = 1), else pallas on TPU and blocked elsewhere. The training forward
+and the cached prefill both go through it.
+
 Layer loop with a cache: ``params["layers"]`` stacked (as stored) runs a
 ``lax.fori_loop`` over layers that carries the whole stacked cache and updates
 slot ``[l, ..., cache_index]`` in place (compile time independent of depth).
@@ -53,6 +62,8 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+
+from fbos_jax.model import attention as attn_lib
 
 Params = dict[str, Any]
 
@@ -78,6 +89,10 @@ class ModelConfig:
   param_dtype: str = "float32"  # storage dtype of the weights
   compute_dtype: str = "float32"  # dtype of matmul inputs/activations
   remat: str = "none"  # one of REMAT_POLICIES, applied per layer
+  # attention implementation (fbos_jax/model/attention.py): auto | dense | blocked | pallas
+  attention: str = "auto"
+  attention_block_q: int = 512  # query / key tile of blocked and pallas (multiples of 128)
+  attention_block_kv: int = 512
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -90,6 +105,14 @@ class ModelConfig:
           f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention).")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"model.remat={self.remat!r}; expected one of {REMAT_POLICIES}.")
+    if self.attention not in attn_lib.IMPLEMENTATIONS:
+      raise ValueError(f"model.attention={self.attention!r}; expected one of "
+                       f"{attn_lib.IMPLEMENTATIONS}.")
+    for name in ("attention_block_q", "attention_block_kv"):
+      size = getattr(self, name)
+      if not isinstance(size, int) or size <= 0 or size % attn_lib.LANES:
+        raise ValueError(f"model.{name}={size!r} must be a positive multiple of "
+                         f"{attn_lib.LANES} (the TPU lane width; model.attention tiles).")
 
   @property
   def qk_norm(self) -> bool:  # Qwen3: per-head RMSNorm on q and k before RoPE
@@ -271,41 +294,29 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, tables=None) -> jax.A
   return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def _attention(q, k, v, mask, dtype):
-  """Grouped-query attention.
+def _attention(cfg: ModelConfig, q, k, v, attention_mask):
+  """Causal grouped-query self-attention of a training / scoring batch.
 
-  q: [B, T, H, Dh]; k, v: [B, S, K, Dh]; mask: [B, T, S] bool -> [B, T, H, Dh].
+  q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; attention_mask: [B, T] (1 = real token)
+  -> [B, T, H, Dh]. Implementation: ``cfg.attention`` (:mod:`.attention`).
   """
-  b, t, h, dh = q.shape
-  kv = k.shape[2]
-  q = q.reshape(b, t, kv, h // kv, dh)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k,
-                      preferred_element_type=jnp.float32) / math.sqrt(dh)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-  return out.reshape(b, t, h, dh)
+  return attn_lib.attention(q, k, v, attention_mask, impl=cfg.attention,
+                            block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
+                            dtype=cfg.dtype)
 
 
-def _cached_attention(q, k_t, v, mask, dtype):
+def _cached_attention(cfg: ModelConfig, q, k_t, v, kv_mask, cache_index):
   """Grouped-query attention against the cache layout.
 
-  q: [B, T, H, Dh]; k_t: [B, K, Dh, S]; v: [B, K, S, Dh]; mask: [B, T, S] bool
-  -> [B, T, H, Dh]. Same arithmetic as :func:`_attention` (float32 scores scaled
-  after the product, masked with finfo.min, float32 softmax), but the G query
-  heads of a group and the T query steps share one matmul against the cache.
+  q: [B, T, H, Dh] in slots [cache_index, cache_index + T); k_t: [B, K, Dh, S];
+  v: [B, K, S, Dh]; kv_mask: [B, S] -> [B, T, H, Dh]. A query in slot i attends
+  to slots j <= i with kv_mask. Decode (T = 1) always runs the dense path (the G
+  query heads share one matmul against the cache, no transpose of k); a prefill
+  uses ``cfg.attention``.
   """
-  b, t, h, dh = q.shape
-  kv, s = k_t.shape[1], k_t.shape[-1]
-  g = h // kv
-  qg = q.reshape(b, t, kv, g, dh).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, dh)
-  scores = jnp.einsum("bkqd,bkds->bkqs", qg, k_t,
-                      preferred_element_type=jnp.float32) / math.sqrt(dh)
-  scores = scores.reshape(b, kv, g, t, s)
-  scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b, kv, g * t, s)
-  out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
-  return out.reshape(b, kv, g, t, dh).transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+  return attn_lib.attention(q, k_t, v, kv_mask, q_offset=cache_index, cache_layout=True,
+                            impl=cfg.attention, block_q=cfg.attention_block_q,
+                            block_kv=cfg.attention_block_kv, dtype=cfg.dtype)
 
 
 def _project_qkv(cfg: ModelConfig, h, lp, positions, rope_cs=None):
@@ -337,10 +348,10 @@ def _finish_layer(cfg: ModelConfig, h, attn, lp):
   return h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"].astype(dt))
 
 
-def _layer(cfg: ModelConfig, h, lp, positions, mask):
+def _layer(cfg: ModelConfig, h, lp, positions, attention_mask):
   """One decoder block without a cache. h: [B, T, D] -> [B, T, D]."""
   q, k, v = _project_qkv(cfg, h, lp, positions)
-  return _finish_layer(cfg, h, _attention(q, k, v, mask, cfg.dtype), lp)
+  return _finish_layer(cfg, h, _attention(cfg, q, k, v, attention_mask), lp)
 
 
 def _new_kv(k, v, dtype):
@@ -348,7 +359,8 @@ def _new_kv(k, v, dtype):
   return k.astype(dtype).transpose(0, 2, 3, 1), v.astype(dtype).transpose(0, 2, 1, 3)
 
 
-def _cached_layers(cfg: ModelConfig, h, layers, positions, mask, cache: KVCache, cache_index):
+def _cached_layers(cfg: ModelConfig, h, layers, positions, kv_mask, cache: KVCache,
+                   cache_index):
   """The layer stack with a KV cache (see the module docstring for the two loops)."""
   dt = cfg.dtype
   idx = jnp.asarray(cache_index, jnp.int32)
@@ -375,7 +387,7 @@ def _cached_layers(cfg: ModelConfig, h, layers, positions, mask, cache: KVCache,
         ks = jax.lax.dynamic_update_slice(ks, nk[None], (l, zero, zero, zero, idx))
         vs = jax.lax.dynamic_update_slice(vs, nv[None], (l, zero, zero, idx, zero))
         kl, vl = ks[l], vs[l]
-      attn = _cached_attention(q, kl.astype(dt), vl.astype(dt), mask, dt)
+      attn = _cached_attention(cfg, q, kl.astype(dt), vl.astype(dt), kv_mask, cache_index)
       h = _finish_layer(cfg, h, attn, lp)
     if split:
       return h, KVCache(tuple(ks), tuple(vs))
@@ -395,7 +407,7 @@ def _cached_layers(cfg: ModelConfig, h, layers, positions, mask, cache: KVCache,
     cv = jax.lax.dynamic_update_slice(cv, nv[None], (l, zero, zero, idx, zero))
     kl = jax.lax.dynamic_index_in_dim(ck, l, keepdims=False)
     vl = jax.lax.dynamic_index_in_dim(cv, l, keepdims=False)
-    attn = _cached_attention(q, kl.astype(dt), vl.astype(dt), mask, dt)
+    attn = _cached_attention(cfg, q, kl.astype(dt), vl.astype(dt), kv_mask, cache_index)
     return _finish_layer(cfg, h, attn, lp), ck, cv
 
   h, ck, cv = jax.lax.fori_loop(0, num_layers, body, (h, cache.k, cache.v))
@@ -428,28 +440,22 @@ def forward(params: Params, tokens: jax.Array, attention_mask: jax.Array,
   slot i attends to slots j <= i with kv_mask. Returns (hidden, new KVCache).
   Prefill is the call with cache_index=0 and T=prompt length; decode is T=1.
   ``attention_mask`` is only used to derive positions when ``positions`` is None.
+  Attention runs with ``cfg.attention`` (see :mod:`fbos_jax.model.attention`).
 
   ``params["layers"]`` may also be a list of per-layer dicts
   (:func:`split_layers`): the layers then run in a Python loop (see the module
   docstring); results are the same.
   """
-  b, t = tokens.shape
   if positions is None:
     positions = positions_from_mask(attention_mask)
   h = jnp.take(params["embed"], tokens, axis=0).astype(cfg.dtype)
-  qpos = jnp.arange(t)[:, None]
   if cache is not None:
-    s = cache_len(cache)
-    kpos = jnp.arange(s)[None, :]
-    mask = (kpos <= qpos + cache_index)[None] & kv_mask.astype(bool)[:, None, :]
-    h, new_cache = _cached_layers(cfg, h, params["layers"], positions, mask, cache, cache_index)
+    h, new_cache = _cached_layers(cfg, h, params["layers"], positions, kv_mask, cache,
+                                  cache_index)
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), new_cache
 
-  kpos = jnp.arange(t)[None, :]
-  mask = (kpos <= qpos)[None] & attention_mask.astype(bool)[:, None, :]
-
   def body(h, lp):
-    return _layer(cfg, h, lp, positions, mask), None
+    return _layer(cfg, h, lp, positions, attention_mask), None
 
   body = _remat(body, cfg.remat)
   if isinstance(params["layers"], (list, tuple)):
