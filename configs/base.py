@@ -1,110 +1,245 @@
-"""Shared config pieces. Algorithm files (grpo.py, gfpo.py, golf.py, fbos.py, fcp.py,
-sft.py) start from :func:`get_base_config` and change only the fields that make
-their algorithm; a model variant is chosen with ``:VARIANT`` on the command line:
+"""Shared config pieces, as plain data (big_vision style).
+
+Rule for algorithm files (grpo.py, gfpo.py, golf.py, fbos.py, fcp.py, sft.py):
+an algorithm file starts from :func:`get_config_for` and sets ONLY the fields
+that make its algorithm: which rounds run (``rl.round2``), how groups merge
+(``rl.fap_*``, ``rl.epa_*``), the advantage estimator, GFPO masks, the loss
+terms (``rl.terms``) and the prompt form (``rl.prompt``). Run sizes (model,
+mesh, lengths, batch sizes, learning rates, steps) belong to the variant table
+:data:`VARIANTS` below, so every algorithm runs the same model at the same size.
+Flavors (``:tiny,decoupled``) are named changes on top, listed per file.
 
   python launch/train.py --config=configs/fbos.py:tiny --workdir=/tmp/fbos_tiny
-  python launch/train.py --config=configs/fbos.py:qwen_8b --dry_run --mesh_devices=32
+  python launch/train.py --config=configs/fbos.py:qwen_8b --dry_run --topology=v5p:2x4x4
 
-Every field can be overridden, e.g. ``--config.rl.group_size=16``.
+Every field can be overridden, e.g. ``--config.rl.group_size=16``. Nothing here
+imports the library: configs load without jax (``fbos_jax/rl/config.py``
+validates them and turns them into the library's dataclasses).
 """
 
 import ml_collections as mlc
 
-# ------------------------------------------------------------------ model presets
-# Field names are ours (see fbos_jax/model/qwen.py:ModelConfig); HF checkpoints
-# set them from config.json when --init_from_hf / model.hf_path is given.
-MODEL_PRESETS = {
+# ------------------------------------------------------------------ the variant table
+# Per variant: the model (field names of fbos_jax/model/qwen.py:ModelConfig; HF
+# checkpoints overwrite the architecture from config.json with --init_from_hf),
+# the mesh (sizes of dcn x data x fsdp x tensor; -1 takes the remaining devices)
+# and the run sizes (dotted field -> value, applied over the defaults below).
+
+_QWEN3_8B = dict(model_type="qwen3", vocab_size=151_936, hidden_size=4096,
+                 intermediate_size=12_288, num_layers=36, num_heads=32, num_kv_heads=8,
+                 head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_embeddings=False,
+                 param_dtype="bfloat16", compute_dtype="bfloat16", remat="full")
+_LARGE_RUN = {
+    "data.source": "jsonl", "data.verifier": "math", "templates.style": "verbose",
+    "templates.max_prompt_tokens": 4096, "optim.learning_rate": 1e-6,
+}
+
+VARIANTS = {
     # A ~0.4M-parameter Qwen3 that trains on a 2-core CPU in minutes; its vocab
     # covers the character tokenizer built by fbos_jax/tokenizer.py.
-    "tiny": dict(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=384,
-                 num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
-                 rope_theta=10_000.0, rms_norm_eps=1e-6, tie_embeddings=True,
-                 param_dtype="float32", compute_dtype="float32", remat="none"),
-    # Qwen/Qwen3-0.6B.
-    "qwen3_0_6b": dict(model_type="qwen3", vocab_size=151_936, hidden_size=1024,
-                       intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
-                       head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                       tie_embeddings=True, param_dtype="bfloat16", compute_dtype="bfloat16",
-                       remat="dots_no_batch"),
-    # Qwen/Qwen3-8B (untied embeddings): 8,190,735,360 parameters.
-    "qwen_8b": dict(model_type="qwen3", vocab_size=151_936, hidden_size=4096,
-                    intermediate_size=12_288, num_layers=36, num_heads=32, num_kv_heads=8,
-                    head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                    tie_embeddings=False, param_dtype="bfloat16", compute_dtype="bfloat16",
-                    remat="full"),
+    "tiny": dict(
+        model=dict(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=384,
+                   num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+                   rope_theta=10_000.0, rms_norm_eps=1e-6, tie_embeddings=True,
+                   param_dtype="float32", compute_dtype="float32", remat="none"),
+        mesh=dict(dcn=1, data=-1, fsdp=1, tensor=1),
+        run={
+            # "sort 4701=" -> "0147"; feedback names misplaced/missing items. Lists
+            # of 4-10 digits: one shared skill with a held-out split of distinct
+            # problems at every length. After the warm start the greedy answer is
+            # right on 56-73% of them but a T=1 sample only on 26-33%, so most
+            # groups have mixed rewards and RL has a policy to sharpen.
+            "data.source": "procedural", "data.task": "sort",
+            "data.difficulty": 4, "data.max_difficulty": 10,
+            "sampling.max_new_tokens": 12,
+            "sampling.prompt_buckets": (16, 32),
+            "sampling.fap_prompt_buckets": (64, 128),
+            "sampling.batch_buckets": (8, 16, 64, 128),  # prompts per sampler call: few programs
+            "templates.max_prompt_tokens": 128,  # FAP / aggregated / FCP prompts fit the largest bucket
+            "verifier.workers": 2, "verifier.timeout_s": 5.0,
+            "rl.prompts_per_step": 16, "rl.group_size": 8, "rl.round2_size": 8,
+            "rl.epa_max_per_prompt": 8,
+            "rl.fixed_row_buckets": True,  # compiles cost more than padded rows at this size
+            # Adam's step (about lr per coordinate) must stay inside the small region
+            # where the policy-gradient loss still falls: 3e-4 already lowered the reward.
+            "optim.learning_rate": 1e-4, "optim.schedule": "cosine", "optim.warmup_steps": 5,
+            "optim.weight_decay": 0.0,
+            "train.steps": 100,  # the T=1 accuracy still climbs at 60 (README, "The tiny run")
+            "train.eval_every": 10,
+            "train.eval_prompts": 256,  # standard error of one greedy eval about 0.03
+            "train.eval_k": 4,  # also pass@1 at temperature 1 (mean of 4) and pass@4
+            "train.checkpoint_every": 10,
+            "train.warm_start": "sft",
+            "sft.steps": 100,  # partial competence: the model sorts short lists, not long ones
+            "sft.batch_size": 64, "sft.learning_rate": 2e-3,
+            "sft.fap_fraction": 0.25,  # the same warm start serves every algorithm
+        }),
+    # Qwen/Qwen3-0.6B on a v5e-8 (16 GiB chips): FSDP over the 8 chips.
+    "qwen3_0_6b": dict(
+        model=dict(model_type="qwen3", vocab_size=151_936, hidden_size=1024,
+                   intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
+                   head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                   tie_embeddings=True, param_dtype="bfloat16", compute_dtype="bfloat16",
+                   remat="dots_no_batch"),
+        mesh=dict(dcn=1, data=1, fsdp=-1, tensor=1),
+        # micro_batches: the fewest at which the update fits (--dry_run --topology=v5e:2x4)
+        run=dict(_LARGE_RUN, **{"rl.micro_batches": 4})),
+    # Qwen/Qwen3-8B (untied embeddings, 8,190,735,360 parameters) on a v5p pod
+    # slice: FSDP over the slice, 4-way tensor parallel inside a host.
+    "qwen_8b": dict(
+        model=_QWEN3_8B, mesh=dict(dcn=1, data=1, fsdp=-1, tensor=4),
+        run=dict(_LARGE_RUN, **{
+            "rl.micro_batches": 16,  # the fewest that fit on v5p:2x4x4 (--dry_run --topology)
+            # round 2 samples P*m = 512 FAP rows; all at once they need more than a
+            # v5p's HBM, so the sampler takes them in chunks of 256 prompts
+            "sampling.batch_buckets": (8, 16, 32, 64, 128, 256),
+        })),
+    # The same with reasoning-length responses: 1,024-token prompts, 8,192 new
+    # tokens; a FAP holds q + a whole response + feedback, so its budget is q + R + 1k.
+    "qwen_8b_long": dict(
+        model=_QWEN3_8B, mesh=dict(dcn=1, data=1, fsdp=-1, tensor=4),
+        run=dict(_LARGE_RUN, **{
+            "sampling.max_new_tokens": 8192,
+            "sampling.prompt_buckets": (256, 512, 1024),
+            "sampling.fap_prompt_buckets": (2048, 4096, 8192, 10_240),
+            "templates.max_prompt_tokens": 10_240,
+            "sampling.batch_buckets": (8, 16, 32, 64, 128),
+            "rl.micro_batches": 128,  # the fewest that fit on v5p:2x4x4
+        })),
+    # Qwen3-8B on 8xH100 nodes: tensor parallel inside the node (NVLink), data
+    # parallel across nodes (dcn). Its memory plan is an estimate (README).
+    "qwen_8b_h100": dict(
+        model=_QWEN3_8B, mesh=dict(dcn=-1, data=1, fsdp=1, tensor=8),
+        run=dict(_LARGE_RUN, **{"rl.micro_batches": 32})),
 }
-MODEL_PRESETS["qwen_8b_h100"] = MODEL_PRESETS["qwen_8b"]
 
-# mesh presets: sizes of (dcn, data, fsdp, tensor); -1 takes the remaining devices.
-MESH_PRESETS = {
-    "tiny": dict(dcn=1, data=-1, fsdp=1, tensor=1),
-    "qwen3_0_6b": dict(dcn=1, data=1, fsdp=-1, tensor=1),
-    # v5p-32/64-class pod: FSDP over the slice, 4-way tensor parallel inside a host.
-    "qwen_8b": dict(dcn=1, data=1, fsdp=-1, tensor=4),
-    # 8xH100 nodes: tensor parallel inside the node (NVLink), FSDP across nodes (dcn).
-    "qwen_8b_h100": dict(dcn=-1, data=1, fsdp=1, tensor=8),
-}
+# logical axis -> mesh axes (Levanter/MaxText-style rules; fbos_jax/sharding.py)
+SHARDING_RULES = [
+    ("batch", ["dcn", "data", "fsdp"]),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("layers", None),
+    ("head_dim", None),
+    ("norm", None),
+    ("seq", None),
+    ("cache_seq", None),
+]
 
-VARIANTS = tuple(MODEL_PRESETS)
+# Flavors every algorithm file accepts (``:tiny,decoupled``).
+COMMON_FLAVORS = ("decoupled",)
 
 
-def _rules():
-  from fbos_jax.sharding import DEFAULT_RULES
-  return [(k, list(v) if isinstance(v, tuple) else v) for k, v in DEFAULT_RULES]
-
-
-def get_base_config(variant: str) -> mlc.ConfigDict:
-  """The defaults of ALGORITHMS.md for every algorithm (FBOS-RL knobs off)."""
-  if variant not in MODEL_PRESETS:
-    raise ValueError(f"Unknown config variant {variant!r}; choose one of {sorted(MODEL_PRESETS)} "
-                     "(e.g. --config=configs/fbos.py:tiny).")
-  from fbos_jax.data import default_data_config
-
+def _defaults(variant: str) -> mlc.ConfigDict:
+  """Every field with its ALGORITHMS.md default (the FBOS-RL knobs off)."""
+  v = VARIANTS[variant]
   c = mlc.ConfigDict()
   c.variant = variant
-  c.algo = "grpo"  # a label for logs; behaviour comes from the fields below
+  c.algo = "grpo"  # a label for logs and plots; behaviour comes from the fields below
   c.seed = 0
 
-  c.model = mlc.ConfigDict(MODEL_PRESETS[variant])
+  c.model = mlc.ConfigDict(dict(v["model"]))
+  # auto: dense for short sequences, Pallas splash on TPU, blocked (flash in XLA) elsewhere
+  c.model.attention = "auto"  # auto | dense | blocked | pallas (fbos_jax/model/attention.py)
+  c.model.attention_block_q = 512  # query / key tiles of blocked and pallas (multiples of 128)
+  c.model.attention_block_kv = 512
   c.model.hf_path = ""  # a local HF checkpoint dir; empty = random init (tiny) / must set (large)
-  c.model.tokenizer_path = ""  # empty = the HF dir, or the char tokenizer built in the workdir (tiny)
+  c.model.tokenizer_path = ""  # empty = the HF dir, or the char tokenizer built in the workdir
 
-  c.mesh = mlc.ConfigDict(MESH_PRESETS[variant])
-  c.mesh.rules = _rules()  # logical axis -> mesh axes (fbos_jax/sharding.py)
+  c.mesh = mlc.ConfigDict(dict(v["mesh"]))
+  c.mesh.rules = [list(r) for r in SHARDING_RULES]
   c.mesh.num_devices = 0  # >0: plan for this many (abstract) devices in --dry_run
 
-  c.data = default_data_config()
-  from fbos_jax.templates import default_template_config
-  c.templates = default_template_config()
+  c.data = mlc.ConfigDict()
+  c.data.source = "procedural"  # procedural | jsonl | parquet
+  c.data.path = ""  # jsonl/parquet: file, glob or comma list; any fsspec URL
+  c.data.task = "arithmetic"  # procedural task family, or a comma list mixed round-robin
+  c.data.difficulty = 1  # procedural difficulty (digits, list length, ...)
+  c.data.max_difficulty = 0  # >0: per-example difficulty in [difficulty, this]
+  c.data.num_examples = 0  # procedural: 0 = infinite index space
+  c.data.generation_seed = 0  # procedural content seed (not the order seed)
+  c.data.split = "train"  # train | eval; eval is disjoint from train
+  c.data.eval_path = ""  # files: a separate held-out file ...
+  c.data.eval_fraction = 0.05  # ... or this share of data.path by record hash, never trained on
+  c.data.verifier = "auto"  # auto: each record's "verifier" column; else a name or pkg.module:attr
+  c.data.feedback_reveals_answer = False  # GOLF's math feedback leaked the answer; off
+  c.data.shuffle = True
+  c.data.shuffle_seed = 0
+  c.data.num_epochs = 0  # 0 = repeat forever
+  c.data.prompt_field = "prompt"
+  c.data.answer_field = "answer"
+  c.data.id_field = "id"
+  c.data.max_prompt_chars = 0  # 0 = no limit
+  c.data.max_prompt_tokens = 0  # >0: prompts longer than this (tokens) are handled per over_long
+  c.data.over_long = "filter"  # filter | truncate | error
+  c.data.on_malformed = "error"  # error | skip
+  c.data.drop_remainder = True  # drop the last partial batch of finite data
+  c.data.read_threads = 4  # grain worker threads building examples
+
+  c.templates = mlc.ConfigDict()
+  c.templates.style = "compact"  # compact | verbose; custom strings below override the style
+  c.templates.fap = ""  # fields: {prompt} {response} {feedback}
+  c.templates.aggregated_header = ""  # fields: {prompt}
+  c.templates.aggregated_attempt = ""  # fields: {index} {score} {response} {feedback}
+  c.templates.aggregated_footer = ""  # fields: {prompt}
+  c.templates.aggregated_dedupe = True  # drop attempts whose response repeats one
+  c.templates.fcp = "<EF>{feedback}</EF>{prompt}"  # fields: {feedback} {prompt}
+  c.templates.max_prompt_tokens = 256  # budget of every built prompt (FAP, aggregated, FCP)
+  c.templates.truncation = "middle"  # middle | left | right | error
+  c.templates.ellipsis = "..."  # marks where a response/feedback was cut
+  c.templates.add_bos = False  # prepend tokenizer.bos_token_id (plain-text path)
+  c.templates.system_prompt = ""  # chat-template path only; "" = no system turn
+  c.templates.chat_template_kwargs = mlc.ConfigDict()  # e.g. {"enable_thinking": False}
 
   c.sampling = mlc.ConfigDict()
   c.sampling.max_new_tokens = 512
-  c.sampling.temperature = 1.0  # log-probs are of the temperature-scaled policy
+  c.sampling.temperature = 1.0  # log-probs are of the temperature-scaled policy; > 0
   c.sampling.top_k = 0  # 0 = off
   c.sampling.top_p = 1.0  # 1.0 = off
   c.sampling.batch_buckets = ()  # () = the sampler's default power-of-two row buckets
   c.sampling.prompt_buckets = (256, 512, 1024, 2048)
   c.sampling.fap_prompt_buckets = (512, 1024, 2048, 4096)  # round-2 (feedback) prompts
-  # (the FAP/aggregated/FCP prompt budget is templates.max_prompt_tokens)
   c.sampling.eval_temperature = 0.0  # greedy held-out evaluation (pass@1)
+  # ids that end a response besides the tokenizer's EOS; () + --init_from_hf = the
+  # checkpoint's generation_config eos ids (Qwen3: <|im_end|>, <|endoftext|>)
+  c.sampling.stop_token_ids = ()
 
   c.verifier = mlc.ConfigDict()
-  # (which verifier: config.data.verifier, a registry name or "pkg.module:attr")
+  # (which verifier: data.verifier, a registry name or "pkg.module:attr")
   c.verifier.timeout_s = 10.0
   c.verifier.workers = 4
+  c.verifier.backend = "thread"  # thread | process (a process can be killed when it hangs)
+  c.verifier.reward_range = (-10.0, 10.0)  # rewards outside are error verdicts
+  c.verifier.max_abandoned_threads = 16  # hung thread calls tolerated before switching to process
   c.verifier.success_threshold = 1.0  # reward >= this counts as solved
 
   c.rl = mlc.ConfigDict()
-  c.rl.objective = "policy_gradient"  # or "fcp" (feedback-conditional MLE, section 7)
   c.rl.prompts_per_step = 64
   c.rl.group_size = 8  # n: round-1 rollouts per prompt
+  c.rl.prompt = "plain"  # plain: sample on q | fcp: on <EF>c+</EF>q (FCP, section 7)
+  c.rl.fcp_positive_feedback = "correct"  # c+ of rl.prompt=fcp
+  # The objective: named terms, each a batch the rollout builds, a loss of the
+  # kernels' registry (fbos_kernels.POLICY_LOSSES) and a weight; weight 0 = off.
+  #   epa: round-1 rollouts on q (+ feedback-guided ones pulled back, off-policy)
+  #   ecc: round-2 rollouts on their FAPs (on-policy)
+  #   fcp: round-1 rollouts re-conditioned on their own feedback, <EF>c</EF>q
+  # loss: policy_gradient (PPO clip; f(u) on off-policy rows) | decoupled (AReaL,
+  # for stale rollouts) | mle (maximum likelihood)
+  c.rl.terms = mlc.ConfigDict({
+      "epa": {"loss": "policy_gradient", "weight": 1.0},
+      "ecc": {"loss": "policy_gradient", "weight": 0.0},
+      "fcp": {"loss": "mle", "weight": 0.0},
+  })
+  c.rl.objective_schedule = "joint"  # joint | alternate (the active terms take turns by step)
   c.rl.advantage = "grpo"  # grpo | drgrpo | batch_std (section 1)
   c.rl.adv_eps = 1e-6
   c.rl.loss_agg = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
   c.rl.eps_low = 0.2
   c.rl.eps_high = 0.28  # clip-higher (DAPO)
-  c.rl.dual_clip = 0.0  # 0 = off; else c (e.g. 3.0), applied where A < 0
-  c.rl.kl_beta = 0.0  # >0 loads a frozen reference model
+  c.rl.dual_clip = 0.0  # 0 = off; else c > 1 (e.g. 3.0), applied where A < 0
+  c.rl.kl_beta = 0.0  # >0 keeps a frozen reference model in the train state
   c.rl.kl_kind = "k3"
   c.rl.entropy_coef = 0.0
   c.rl.ppo_epochs = 1
@@ -118,7 +253,6 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.rl.fap_from = "failed"  # failed | all: which round-1 rollouts get a FAP
   c.rl.fap_mode = "single"  # single: FAP(q, o_i, F_i) | aggregated: GOLF's one prompt per q
   # --- EPA: feedback-guided rollouts pulled back onto q as off-policy samples
-  c.rl.w_epa = 1.0
   c.rl.epa_select = "correct"  # correct | improved | all
   c.rl.epa_mode = "append"  # append (group grows) | replace (GOLF)
   c.rl.epa_trigger = "always"  # always | adaptive (only when round-1 mean reward < epa_tau)
@@ -126,22 +260,16 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.rl.epa_max_per_prompt = 8  # cap on appended/replaced samples per prompt (static shapes)
   c.rl.offpolicy_lambda = 0.1  # f(u) = u / (u + lambda)
   c.rl.offpolicy_ratio_denominator = "one"  # one | behaviour
-  # --- ECC: train the policy to use feedback, on the FAPs
-  c.rl.w_ecc = 0.0
-  c.rl.ecc_advantage = "group"  # group | improvement
-  c.rl.objective_schedule = "joint"  # joint | alternate (EPA on even steps, ECC on odd)
+  c.rl.ecc_advantage = "group"  # group | improvement (ECC's advantage on the FAPs)
   # --- GFPO
   c.rl.gfpo_k = 0  # 0 = off; keep k of G per group
   c.rl.gfpo_metric = "length"  # length | token_efficiency
   c.rl.gfpo_adaptive = False  # adaptive-difficulty k (k_map over difficulty buckets)
   c.rl.gfpo_k_map = (8, 8, 6, 4)  # very hard, hard, medium, easy (for G=16)
   c.rl.gfpo_history = 256
-  # --- AReaL decoupled PPO (stale rollouts)
-  c.rl.decoupled = False
-  c.rl.staleness = 0  # eta: max policy versions a rollout may lag (0 = synchronous)
-  c.rl.behav_weight_cap = 5.0
-  # --- FCP
-  c.rl.fcp_positive_feedback = "correct"  # c+ used to condition online samples
+  # --- stale rollouts (pair with the decoupled loss: the `decoupled` flavor)
+  c.rl.staleness = 0  # eta: rollouts sampled by params eta updates old (0 = synchronous)
+  c.rl.behav_weight_cap = 5.0  # AReaL: mask tokens whose pi_prox/pi_behav exceeds this
 
   c.optim = mlc.ConfigDict()
   c.optim.learning_rate = 1e-6
@@ -151,7 +279,7 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   c.optim.b2 = 0.999
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
-  c.optim.opt_state_dtype = "float32"
+  c.optim.opt_state_dtype = "float32"  # Adam's moments (SFT and RL), whatever the params' dtype
 
   c.train = mlc.ConfigDict()
   c.train.steps = 200
@@ -175,64 +303,39 @@ def get_base_config(variant: str) -> mlc.ConfigDict:
   return c
 
 
-def apply_variant_defaults(c: mlc.ConfigDict) -> mlc.ConfigDict:
-  """Run-size defaults per variant (tiny = this 2-core CPU, minutes)."""
-  if c.variant == "tiny":
-    c.data.source = "procedural"
-    c.data.task = "sort"  # "sort 4701=" -> "0147"; feedback names misplaced/missing items
-    # lists of 4-10 digits: a shared skill (not 100 memorised facts, like 1-digit sums)
-    # with a held-out split of distinct problems at every length. After the warm start
-    # the greedy answer is right on 56-73% of them but a T=1 sample only on 26-33%,
-    # so most groups have mixed rewards and RL has a policy to sharpen. (2-digit sums
-    # need a carry algorithm this model does not learn in minutes; RL cannot find it.)
-    c.data.difficulty = 4
-    c.data.max_difficulty = 10
-    c.sampling.max_new_tokens = 12
-    c.sampling.prompt_buckets = (16, 32)
-    c.sampling.fap_prompt_buckets = (64, 128)
-    c.templates.max_prompt_tokens = 128  # FAP / aggregated / FCP prompts fit the largest bucket
-    c.verifier.workers = 2
-    c.verifier.timeout_s = 5.0
-    c.rl.prompts_per_step = 16
-    c.rl.group_size = 8
-    c.rl.round2_size = 8
-    c.rl.fixed_row_buckets = True  # compiles cost more than padded rows at this size
-    c.rl.epa_max_per_prompt = 8
-    c.sampling.batch_buckets = (8, 16, 64, 128)  # prompts per sampler call: few programs
-    # RL. Adam's step (about lr per coordinate) must stay inside the small region
-    # where the policy-gradient loss still falls: 3e-4 already lowered the reward.
-    c.optim.learning_rate = 1e-4
-    c.optim.schedule = "cosine"
-    c.optim.warmup_steps = 5
-    c.optim.weight_decay = 0.0
-    c.train.steps = 100  # the T=1 accuracy still climbs at 60 (README, "The tiny run")
-    c.train.eval_every = 10
-    c.train.eval_prompts = 256  # standard error of one greedy eval about 0.03
-    c.train.eval_k = 4  # also pass@1 at temperature 1 (mean of 4) and pass@4
-    c.train.checkpoint_every = 10
-    c.train.warm_start = "sft"
-    c.sft.steps = 100  # partial competence: the model sorts short lists, not long ones
-    c.sft.batch_size = 64
-    c.sft.learning_rate = 2e-3
-    c.sft.fap_fraction = 0.25  # the same warm start serves every algorithm
-  else:
-    c.train.warm_start = ""
-    # gradient accumulation so one micro-batch's activations fit (see --dry_run)
-    c.rl.micro_batches = {"qwen3_0_6b": 4, "qwen_8b": 8, "qwen_8b_h100": 32}[c.variant]
-    c.data.source = "jsonl"
-    c.data.verifier = "math"
-    c.templates.style = "verbose"
-    c.templates.max_prompt_tokens = 4096
-    c.optim.learning_rate = 1e-6
-  return c
+def _set(c: mlc.ConfigDict, dotted: str, value):
+  *path, last = dotted.split(".")
+  node = c
+  for p in path:
+    node = node[p]
+  node[last] = value
 
 
-def parse_arg(arg: str, flavors: tuple = ()) -> tuple[str, tuple]:
-  """'tiny' or 'tiny,drgrpo' -> ('tiny', ('drgrpo',)); unknown parts raise."""
+def get_config_for(arg: str, flavors: tuple = ()) -> tuple[mlc.ConfigDict, tuple]:
+  """``'tiny'`` or ``'tiny,drgrpo'`` -> (the variant's config, the flavors asked for).
+
+  Unknown variants and flavors raise, naming what is known. The common flavor
+  ``decoupled`` (AReaL's objective for stale rollouts) is applied here."""
   parts = [p for p in (arg or "tiny").split(",") if p]
   variant, extra = parts[0], tuple(parts[1:])
-  bad = [e for e in extra if e not in flavors]
+  if variant not in VARIANTS:
+    raise ValueError(f"Unknown config variant {variant!r}; choose one of {sorted(VARIANTS)} "
+                     "(e.g. --config=configs/fbos.py:tiny).")
+  known = tuple(flavors) + COMMON_FLAVORS
+  bad = [e for e in extra if e not in known]
   if bad:
-    raise ValueError(f"Unknown config flavor(s) {bad}; this file knows {list(flavors)} "
-                     f"(e.g. :{variant},{flavors[0] if flavors else ''}).")
-  return variant, extra
+    raise ValueError(f"Unknown config flavor(s) {bad}; this file knows {list(known)} "
+                     f"(e.g. :{variant},{known[0]}).")
+  c = _defaults(variant)
+  for dotted, value in VARIANTS[variant]["run"].items():
+    _set(c, dotted, value)
+  return c, extra
+
+
+def apply_common_flavors(c: mlc.ConfigDict, flavors: tuple) -> mlc.ConfigDict:
+  """Flavors shared by every algorithm: call last, after the algorithm's fields."""
+  if "decoupled" in flavors:  # AReaL: pi_prox recomputed each step; pair with rl.staleness
+    for term in c.rl.terms.values():
+      if term.loss == "policy_gradient":
+        term.loss = "decoupled"
+  return c

@@ -6,20 +6,17 @@ feedback c and takes an MLE step on (q, o, c).
   python launch/train.py --config=configs/fcp.py:tiny --workdir=/tmp/fcp_tiny          # offline + online
   python launch/train.py --config=configs/fcp.py:tiny,offline --workdir=...            # offline only
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import base  # noqa: E402
+from configs import base
 
 
 def get_config(arg="tiny"):
-  variant, flavors = base.parse_arg(arg, ("offline",))
-  c = base.apply_variant_defaults(base.get_base_config(variant))
+  c, flavors = base.get_config_for(arg, ("offline",))
   c.algo = "fcp"
-  c.rl.objective = "fcp"
+  c.rl.prompt = "fcp"  # round 1 and the eval sample under <EF>c+</EF>q
   c.rl.fcp_positive_feedback = "correct"
+  c.rl.terms.epa.weight = 0.0
+  c.rl.terms.fcp.weight = 1.0  # MLE of o given <EF>c</EF>q, c the fresh feedback
   c.sft.conditional = True  # the offline stage trains on <EF>c</EF>q -> o triples
   if "offline" in flavors:
     c.train.steps = 0
-  return c
+  return base.apply_common_flavors(c, flavors)

@@ -4,16 +4,11 @@ Dr.GRPO advantages (ALGORITHMS.md section 5). A configuration of the FBOS loop.
 
   python launch/train.py --config=configs/golf.py:tiny --workdir=/tmp/golf_tiny
 """
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import base  # noqa: E402
+from configs import base
 
 
 def get_config(arg="tiny"):
-  variant, _ = base.parse_arg(arg, ())
-  c = base.apply_variant_defaults(base.get_base_config(variant))
+  c, flavors = base.get_config_for(arg, ())
   c.algo = "golf"
   c.rl.advantage = "drgrpo"
   c.rl.round2 = True
@@ -25,9 +20,10 @@ def get_config(arg="tiny"):
   c.rl.epa_trigger = "adaptive"  # only when round-1 mean reward < tau
   c.rl.epa_tau = -1.0  # = 1/n
   c.rl.epa_max_per_prompt = 1
-  c.rl.w_epa = 1.0
-  c.rl.w_ecc = 1.0  # the refinements' own on-policy group (joint training)
+  c.rl.terms.epa.weight = 1.0
+  c.rl.terms.ecc.weight = 1.0  # the refinements' own on-policy group (joint training)
   c.rl.ecc_advantage = "group"
-  if variant == "tiny":
-    c.rl.prompts_per_step = 8
-  return c
+  # round 2 doubles the rollouts of a step: half the prompts keep the budget equal
+  if c.variant == "tiny":  # the comparisons run at equal rollouts per step
+    c.rl.prompts_per_step = c.rl.prompts_per_step // 2
+  return base.apply_common_flavors(c, flavors)

@@ -56,7 +56,8 @@ RESUME_IGNORED_FIELDS = (
     "sampling.fap_prompt_buckets",
     "rl.fixed_row_buckets", "rl.micro_batches",
     "model.param_dtype", "model.compute_dtype", "model.remat", "model.hf_path",
-    "model.tokenizer_path",
+    "model.tokenizer_path", "model.attention", "model.attention_block_q",
+    "model.attention_block_kv",
 )
 
 
@@ -242,7 +243,8 @@ class Checkpointer:
       saved_model = meta.get("model", {})
       want = expected_meta.get("model", {})
       diff = {k: (saved_model.get(k), want.get(k)) for k in set(saved_model) | set(want)
-              if k not in ("param_dtype", "compute_dtype", "remat", "hf_path", "tokenizer_path")
+              if k not in ("param_dtype", "compute_dtype", "remat", "hf_path", "tokenizer_path",
+                           "attention", "attention_block_q", "attention_block_kv")
               and saved_model.get(k) != want.get(k)}
       if diff:
         fields = ", ".join(f"model.{k}: checkpoint={a!r} config={b!r}" for k, (a, b) in sorted(diff.items()))

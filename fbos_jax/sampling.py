@@ -77,6 +77,7 @@ step dynamic-slices, i.e. copies, every layer's weights). ``'auto'`` picks
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -89,6 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fbos_jax import buckets
 from fbos_jax import sharding as sh
 from fbos_jax.model import qwen
 
@@ -232,11 +234,6 @@ def _as_rows(prompts, prompt_mask) -> list[np.ndarray]:
   return rows
 
 
-def _pick_bucket(n: int, buckets: Sequence[int]) -> Optional[int]:
-  fits = [int(b) for b in buckets if int(b) >= n]
-  return min(fits) if fits else None
-
-
 def _prepare_prompts(rows, scfg: SamplingConfig, vocab_size: int):
   """Validate / truncate. Returns (rows, truncated flags, prompt bucket P)."""
   if len(rows) == 0:
@@ -259,19 +256,8 @@ def _prepare_prompts(rows, scfg: SamplingConfig, vocab_size: int):
     else:
       trunc.append(False)
     out.append(r)
-  p = _pick_bucket(max(r.size for r in out), scfg.prompt_buckets)
+  p = buckets.pick_bucket(max(r.size for r in out), scfg.prompt_buckets, what="prompt")
   return out, np.asarray(trunc, bool), p
-
-
-def left_pad(rows: Sequence[np.ndarray], length: int, batch: int, pad_id: int):
-  """[batch, length] int32 tokens/mask; rows beyond len(rows) are dummies (one pad token)."""
-  tokens = np.full((batch, length), pad_id, np.int32)
-  mask = np.zeros((batch, length), np.int32)
-  for i, r in enumerate(rows):
-    tokens[i, length - r.size:] = r
-    mask[i, length - r.size:] = 1
-  mask[len(rows):, -1] = 1  # dummy rows: a single (pad) token keeps them well defined
-  return tokens, mask
 
 
 # ----------------------------------------------------------------------------- token choice
@@ -620,57 +606,7 @@ def _mesh_processes(mesh) -> int:
   return len({d.process_index for d in mesh.devices.flat})
 
 
-def _put(x: np.ndarray, mesh, spec, multi: bool = False):
-  """Host rows -> device array. ``multi``: ``x`` holds only this process's rows of
-  a mesh spanning several processes; the global array (each process's block of
-  rows, nothing gathered) is assembled with ``make_array_from_process_local_data``
-  and ``spec`` must be fitted to the global row count."""
-  if mesh is None:
-    return jnp.asarray(x)
-  sharding = NamedSharding(mesh, spec)
-  if not multi:
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
-  global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-  return jax.make_array_from_process_local_data(sharding, x, global_shape)
-
-
-def _local_row_start(x) -> int:
-  """First global row of this process's block of a batch-sharded array."""
-  if getattr(x, "is_fully_addressable", True):
-    return 0
-  return min(s.index[0].start or 0 for s in x.addressable_shards)
-
-
-def _get(x, rows: Optional[tuple] = None) -> np.ndarray:
-  """Device array -> numpy; ``rows=(start, stop)`` keeps only those global rows,
-  read from this process's addressable shards (in a multi-process mesh each
-  process reads back its own rows; nothing is gathered across hosts)."""
-  if getattr(x, "is_fully_addressable", True):
-    out = np.asarray(jax.device_get(x))
-    return out if rows is None else out[rows[0]:rows[1]]
-  if rows is None:
-    from jax.experimental import multihost_utils
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  start, stop = rows
-  out = np.empty((stop - start,) + tuple(x.shape[1:]), x.dtype)
-  seen = np.zeros((stop - start,), bool)
-  for s in x.addressable_shards:
-    if any((sl.start or 0) != 0 or sl.stop not in (None, dim)
-           for sl, dim in zip(s.index[1:], x.shape[1:])):
-      continue  # a shard of a non-row axis: not a whole row
-    r0 = s.index[0].start or 0
-    r1 = x.shape[0] if s.index[0].stop is None else s.index[0].stop
-    lo, hi = max(r0, start), min(r1, stop)
-    if lo < hi and not seen[lo - start:hi - start].all():
-      out[lo - start:hi - start] = np.asarray(s.data)[lo - r0:hi - r0]
-      seen[lo - start:hi - start] = True
-  if not seen.all():
-    raise SamplingError(f"rows [{start}, {stop}) of a {x.shape} output are not all on this "
-                        f"process's devices (sharding {x.sharding}).")
-  return out
-
-
-def _agree_prompts(rows, scfg: SamplingConfig, vocab_size: int, mesh):
+def _agree_prompts(rows, scfg: SamplingConfig, vocab_size: int, mesh, allow_empty=False):
   """Validate / truncate this process's prompts and, when ``mesh`` spans several
   processes, agree with the others on the shapes (every process must call
   ``sample`` together; a process may bring no prompts). Returns (rows,
@@ -679,6 +615,8 @@ def _agree_prompts(rows, scfg: SamplingConfig, vocab_size: int, mesh):
   prompt count, number of processes)."""
   nproc = _mesh_processes(mesh)
   if nproc == 1:
+    if allow_empty and not len(rows):
+      return None
     rows, truncated, plen = _prepare_prompts(rows, scfg, vocab_size)
     return rows, truncated, plen, 0, len(rows), 1
   from fbos_jax import distributed
@@ -699,13 +637,15 @@ def _agree_prompts(rows, scfg: SamplingConfig, vocab_size: int, mesh):
     raise SamplingError(f"process(es) {np.flatnonzero(table[:, 2]).tolist()} rejected their "
                         "prompts (see their logs); no process samples.")
   counts = table[:, 0]
+  if counts.sum() == 0 and allow_empty:
+    return None
   if counts.sum() == 0:
     raise SamplingError("empty batch: no prompts to sample from on any process.")
   shards = sh.batch_shard_count(mesh)
   if shards % nproc:
     raise SamplingError(f"the mesh's {shards} batch shards (dcn*data*fsdp) do not divide over "
                         f"{nproc} processes; each process samples its own prompts.")
-  plen = _pick_bucket(int(table[:, 1].max()), scfg.prompt_buckets)
+  plen = buckets.pick_bucket(int(table[:, 1].max()), scfg.prompt_buckets, what="prompt")
   offset = int(counts[:jax.process_index()].sum())
   return rows, truncated, plen, offset, int(counts.max()), nproc
 
@@ -726,7 +666,8 @@ def make_config(config: Optional[SamplingConfig] = None, **overrides) -> Samplin
 
 def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]], np.ndarray], *,
            key: jax.Array, n_per_prompt: int = 1, config: Optional[SamplingConfig] = None,
-           mesh=None, rules=None, prompt_mask=None, **options) -> SampleOutput:
+           mesh=None, rules=None, prompt_mask=None, allow_empty: bool = False,
+           **options) -> SampleOutput:
   """Sample ``n_per_prompt`` responses for each prompt.
 
   prompts: a list of token-id lists, or a padded [B, T] array with ``prompt_mask``
@@ -738,14 +679,24 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
     ``pad_id=``, ...); keywords override ``config``, None means "default".
   mesh, rules: shard over this mesh with these logical rules (default rules when
     None); without a mesh, run on the default device.
+  allow_empty: when no process has a prompt, return an empty output (0 rows)
+    instead of raising (a round that may have nothing to sample, e.g. round 2).
   Raises :class:`SamplingError` on bad input before compiling anything.
   """
   scfg = make_config(config, **options).validate(cfg.vocab_size)
   n = int(n_per_prompt)
   if n < 1:
     raise SamplingError(f"n_per_prompt={n_per_prompt} must be >= 1.")
-  rows, truncated, plen, offset, max_count, nproc = _agree_prompts(
-      _as_rows(prompts, prompt_mask), scfg, cfg.vocab_size, mesh)
+  agreed = _agree_prompts(_as_rows(prompts, prompt_mask), scfg, cfg.vocab_size, mesh,
+                          allow_empty)
+  if agreed is None:
+    r = int(scfg.max_new_tokens)
+    z = lambda *shape, dt=np.int32: np.zeros(shape, dt)
+    return SampleOutput(tokens=z(0, r), lengths=z(0), response_mask=z(0, r),
+                        logprobs=z(0, r, dt=np.float32), prompt_tokens=z(0, 0),
+                        prompt_mask=z(0, 0), stopped=z(0, dt=bool),
+                        prompt_truncated=z(0, dt=bool))
+  rows, truncated, plen, offset, max_count, nproc = agreed
   temperature = np.float32(scfg.temperature if not scfg.is_greedy else 1.0)
   top_p = np.float32(scfg.top_p)
   stop_ids = stop_id_array(scfg.stop_token_ids)
@@ -758,24 +709,23 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
   outs = []
   for ci in range(-(-max_count // max_b)):  # the same chunks and buckets on every process
     chunk = rows[ci * max_b:(ci + 1) * max_b]
-    bb = _pick_bucket(min(max_b, max_count - ci * max_b), scfg.batch_buckets)
+    bb = buckets.pick_bucket(min(max_b, max_count - ci * max_b), scfg.batch_buckets)
     bb = -(-bb // local_shards) * local_shards
     fn = get_generate_fn(cfg, scfg, batch=bb, prompt_len=plen, n_per_prompt=n, mesh=mesh,
                          rules=rules)
-    toks, mask = left_pad(chunk, plen, bb, scfg.pad_id)
+    toks, mask = buckets.left_pad(chunk, plen, scfg.pad_id, rows=bb)
     ids = np.full((bb,), -1, np.int32)  # global prompt index (-1: dummy row)
     ids[:len(chunk)] = offset + ci * max_b + np.arange(len(chunk))
-    gb = bb * nproc
-    spec = sh.batch_spec(2, mesh, gb) if mesh is not None else None
-    spec1 = sh.batch_spec(1, mesh, gb) if mesh is not None else None
-    d_toks = _put(toks, mesh, spec, multi)
-    start = _local_row_start(d_toks) * n  # this process's first output row
-    with warnings.catch_warnings():  # donated prompts alias the outputs only when n == 1
+    put = (lambda x: sh.put_process_local(x, mesh)) if mesh is not None else jnp.asarray
+    d_toks = put(toks)
+    start = sh.local_row_start(d_toks) * n  # this process's first output row
+    # under the mesh, attention picks its kernel from the mesh's devices (Pallas on TPU)
+    mesh_ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+    with warnings.catch_warnings(), mesh_ctx:  # donated prompts alias outputs only when n == 1
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      res = fn(params, d_toks, _put(mask, mesh, spec, multi), key, temperature, top_p,
-               stop_ids, _put(ids, mesh, spec1, multi))
+      res = fn(params, d_toks, put(mask), key, temperature, top_p, stop_ids, put(ids))
     keep = len(chunk) * n  # dummy prompts are the last rows
-    outs.append({k: _get(v, (start, start + keep)) for k, v in res.items()})
+    outs.append({k: sh.host_rows(v, (start, start + keep)) for k, v in res.items()})
   cat = {k: np.concatenate([o[k] for o in outs], axis=0) for k in outs[0]}
   return SampleOutput(
       tokens=cat["tokens"].astype(np.int32), lengths=cat["lengths"].astype(np.int32),

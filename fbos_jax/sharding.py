@@ -218,3 +218,39 @@ def put_process_local(local: np.ndarray, mesh) -> jax.Array:
   if jax.process_count() == 1:
     return jax.device_put(local, sharding)
   return jax.make_array_from_process_local_data(sharding, local)
+
+
+def local_row_start(x) -> int:
+  """First global row of this process's block of a batch-sharded array."""
+  if getattr(x, "is_fully_addressable", True):
+    return 0
+  return min(s.index[0].start or 0 for s in x.addressable_shards)
+
+
+def host_rows(x, rows: Optional[tuple] = None) -> np.ndarray:
+  """Device array -> numpy; ``rows=(start, stop)`` keeps only those global rows,
+  read from this process's addressable shards (in a multi-process mesh each
+  process reads back its own rows; nothing is gathered across hosts)."""
+  if getattr(x, "is_fully_addressable", True):
+    out = np.asarray(jax.device_get(x))
+    return out if rows is None else out[rows[0]:rows[1]]
+  if rows is None:
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  start, stop = rows
+  out = np.empty((stop - start,) + tuple(x.shape[1:]), x.dtype)
+  seen = np.zeros((stop - start,), bool)
+  for s in x.addressable_shards:
+    if any((sl.start or 0) != 0 or sl.stop not in (None, dim)
+           for sl, dim in zip(s.index[1:], x.shape[1:])):
+      continue  # a shard of a non-row axis: not a whole row
+    r0 = s.index[0].start or 0
+    r1 = x.shape[0] if s.index[0].stop is None else s.index[0].stop
+    lo, hi = max(r0, start), min(r1, stop)
+    if lo < hi and not seen[lo - start:hi - start].all():
+      out[lo - start:hi - start] = np.asarray(s.data)[lo - r0:hi - r0]
+      seen[lo - start:hi - start] = True
+  if not seen.all():
+    raise ShardingError(f"rows [{start}, {stop}) of a {x.shape} output are not all on this "
+                        f"process's devices (sharding {x.sharding}).")
+  return out

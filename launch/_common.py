@@ -6,3 +6,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for _p in (ROOT, os.path.join(ROOT, "kernels")):
   if _p not in sys.path:
     sys.path.insert(0, _p)
+
+
+def parse_flags(argv):
+  """absl's flag parsing, with a one-line error (no traceback) for a ``--config.*``
+  override that names no field or has the wrong type. Pass as ``app.run(main,
+  flags_parser=parse_flags)``."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    overrides = [a for a in argv[1:] if a.startswith("--config.")]
+    sys.stderr.write(f"FATAL Flags parsing error: a --config override does not fit the config "
+                     f"({type(e).__name__}: {e}); overrides given: {' '.join(overrides) or '-'}. "
+                     "The fields and their defaults are in configs/base.py.\n")
+    sys.exit(1)

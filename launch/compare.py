@@ -32,7 +32,7 @@ flags.DEFINE_bool("ablations", False, "Run FBOS ablations (EPA only / ECC only /
 flags.DEFINE_bool("resummarize", False, "Rebuild compare.md / compare.png / the table in "
                   "compare.json from the runs already in WORKDIR/compare.json (no training).")
 flags.DEFINE_string("task", "", "Override data.task (e.g. arithmetic).")
-flags.DEFINE_multi_string("set", [], "Extra overrides for every run, e.g. --set=rl.w_ecc=0.5")
+flags.DEFINE_multi_string("set", [], "Extra overrides for every run, e.g. --set=rl.terms.ecc.weight=0.5")
 FLAGS = flags.FLAGS
 
 ABLATIONS = {

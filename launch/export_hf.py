@@ -80,4 +80,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir", "out"])
-  app.run(main)
+  app.run(main, flags_parser=_common.parse_flags)

@@ -16,8 +16,12 @@ from ml_collections import config_flags  # noqa: E402
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/fbos.py:tiny",
                                           lock_config=True)
 flags.DEFINE_string("workdir", None, "Where checkpoints, metrics, plots and caches go.")
-flags.DEFINE_bool("dry_run", False, "Build abstractly with jax.eval_shape and print the "
-                  "parameter count, mesh, sharding and per-device memory plan; allocate nothing.")
+flags.DEFINE_bool("dry_run", False, "Plan without training or allocating: with --topology, "
+                  "compile every program of a step for that TPU topology and print XLA's "
+                  "per-device memory, FLOPs and a roofline step time (exit 1 if anything does "
+                  "not fit); with --mesh_devices, a quick abstract estimate.")
+flags.DEFINE_string("topology", "", "--dry_run target, a TPU topology such as v5p:2x4x4, "
+                    "v5e:2x4, v6e:2x4, v4:2x2x2 (needs `pip install libtpu==0.0.42.1`).")
 flags.DEFINE_integer("mesh_devices", 0, "Plan for this many devices (abstract mesh) in --dry_run.")
 flags.DEFINE_string("init_from_hf", "", "Start from a Hugging Face checkpoint directory.")
 flags.DEFINE_bool("plot", True, "Draw metrics.png into the workdir at the end.")
@@ -25,6 +29,10 @@ flags.DEFINE_string("coordinator_address", "", "host:port of process 0 (multi-pr
 flags.DEFINE_integer("num_processes", 0, "Number of processes (multi-process GPU/CPU).")
 flags.DEFINE_integer("process_id", -1, "This process's id (multi-process GPU/CPU).")
 flags.DEFINE_integer("distributed_timeout_s", 300, "Give up connecting to the coordinator after this.")
+flags.DEFINE_bool("allow_config_change", False, "Resume a workdir whose checkpoint was written "
+                  "with a config that differs in a field that matters (named in the error).")
+flags.DEFINE_string("console_verbosity", "warning", "Console log level (debug | info | warning "
+                    "| error); the full log always goes to WORKDIR/log.txt.")
 FLAGS = flags.FLAGS
 
 
@@ -33,6 +41,16 @@ def main(argv):
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/fbos.py:tiny")
+  from fbos_jax.rl import config as config_lib
+  try:  # every bad field at once, before anything is built (the mesh is checked later)
+    config_lib.validate(config, num_batch_shards=1, process_count=1)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  if FLAGS.dry_run and FLAGS.init_from_hf:  # plan the checkpoint's real architecture
+    from fbos_jax.rl.run import with_checkpoint_model
+    config = with_checkpoint_model(config, FLAGS.init_from_hf)
+  if FLAGS.dry_run and FLAGS.topology:
+    return _compiled_dry_run(config, FLAGS.topology)
   if FLAGS.dry_run:
     from fbos_jax.plan import HBM_BYTES, format_plan, memory_plan
     n = FLAGS.mesh_devices or config.mesh.num_devices
@@ -45,13 +63,39 @@ def main(argv):
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required (checkpoints, metrics and caches go there)")
 
-  from fbos_jax import distributed
+  from fbos_jax import console, distributed
   distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                          timeout_s=FLAGS.distributed_timeout_s)
+  import jax
+  pi = jax.process_index()
+  console.setup_logging(FLAGS.workdir, verbosity=FLAGS.console_verbosity,
+                        filename="log.txt" if pi == 0 else f"log.{pi}.txt")
   from fbos_jax.rl import run
-  run.run_training(config, FLAGS.workdir, init_from_hf=FLAGS.init_from_hf, plot=FLAGS.plot)
+  run.run_training(config, FLAGS.workdir, init_from_hf=FLAGS.init_from_hf, plot=FLAGS.plot,
+                   allow_config_change=FLAGS.allow_config_change)
+
+
+def _compiled_dry_run(config, topology: str):
+  """Compile every program of a step for ``topology``; the last line is JSON."""
+  import json
+  import os
+  import sys
+  # the compiler only: no local TPU runtime, no libtpu process lock, quiet libtpu logs
+  for k, v in (("JAX_PLATFORMS", "cpu"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+               ("TPU_STDERR_LOG_LEVEL", "3"), ("TPU_MIN_LOG_LEVEL", "3")):
+    os.environ.setdefault(k, v)
+  from fbos_jax import plan as plan_lib
+  try:
+    plan = plan_lib.compile_plan(config, topology,
+                                 progress=lambda m: print(m, file=sys.stderr, flush=True))
+  except plan_lib.PlanError as e:
+    raise app.UsageError(str(e)) from None
+  print(plan_lib.format_compiled_plan(plan))
+  print(json.dumps(plan_lib.plan_json(plan)))
+  if not plan["fits"]:
+    sys.exit(1)
 
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=_common.parse_flags)

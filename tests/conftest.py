@@ -7,6 +7,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# libtpu (the TPU compiler for topology tests) takes a process lock unless told not to
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "3")
+os.environ.setdefault("TPU_MIN_LOG_LEVEL", "3")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (_ROOT, os.path.join(_ROOT, "kernels")):
   if p not in sys.path:

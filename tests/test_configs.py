@@ -8,7 +8,7 @@ import pytest
 from ml_collections import config_flags  # noqa: F401  (the loader launch/train.py uses)
 
 from fbos_jax.plan import HBM_BYTES, memory_plan
-from fbos_jax.rl.trainer import validate_rl_config
+from fbos_jax.rl.config import validate as validate_rl_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_8B_PARAMS = 8_190_735_360
@@ -97,7 +97,7 @@ def test_dry_run_cli_prints_plan():
   assert out.returncode == 0, out.stderr[-2000:]
   assert "params: 8,190,735,360" in out.stdout
   assert "fsdp=8 x tensor=4 (32 devices)" in out.stdout
-  assert "fits v5p (95 GiB HBM): yes" in out.stdout
+  assert "fits v5p (95.74 GiB HBM): yes" in out.stdout
 
 
 def test_cli_override_reaches_config():

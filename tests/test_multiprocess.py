@@ -272,7 +272,7 @@ def test_sampler_draws_are_keyed_by_global_sample():
   the same rows as one call over all prompts; chunking changes nothing either."""
   from test_trainer import small
 
-  from fbos_jax import sampling
+  from fbos_jax import buckets, sampling
   from fbos_jax.model import qwen
   cfg = qwen.ModelConfig.from_dict(small("configs/fbos.py:tiny").model)
   params = qwen.init_params(cfg, jax.random.key(0))
@@ -284,7 +284,7 @@ def test_sampler_draws_are_keyed_by_global_sample():
   key = jax.random.key_data(jax.random.key(3))
 
   def run(rows, ids):  # a process's call: its prompts and their global indices
-    toks, mask = sampling.left_pad(rows, 8, 4, 0)
+    toks, mask = buckets.left_pad(rows, 8, 0, rows=4)
     ids = np.asarray(list(ids) + [-1] * (4 - len(ids)), np.int32)
     with warnings.catch_warnings():  # the donated prompts cannot alias the n=2 outputs
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")

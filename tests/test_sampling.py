@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from fbos_jax import buckets
 from fbos_jax import sampling
 from fbos_jax import sharding as sh
 from fbos_jax.model import load_hf_params, qwen
@@ -252,7 +253,7 @@ def test_compiled_decode_loop_updates_cache_in_place(tiny):
                            ("unroll", dict(max_new_tokens=40, decode_phases=4))):
     scfg = sampling.make_config(layer_loop=layer_loop, **{**GREEDY, **over})
     fn = sampling.get_generate_fn(cfg, scfg, batch=4, prompt_len=8)
-    toks, mask = sampling.left_pad([np.array([1, 2, 3])], 8, 4, 0)
+    toks, mask = buckets.left_pad([np.array([1, 2, 3])], 8, 0, rows=4)
     hlo = fn.lower(params, jnp.asarray(toks), jnp.asarray(mask), jax.random.PRNGKey(0),
                    np.float32(1), np.float32(1),
                    sampling.stop_id_array(())).compile().as_text()

@@ -92,7 +92,7 @@ def test_default_task_runs(tmp_path):
 
 
 def test_decoupled_and_staleness_run(tmp_path):
-  c = small("configs/grpo.py:tiny", **{"rl.decoupled": True, "rl.staleness": 1})
+  c = small("configs/grpo.py:tiny,decoupled", **{"rl.staleness": 1})
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
   state, _ = tr.train()
   tr.close()
@@ -138,3 +138,49 @@ def test_update_compiles_once(tmp_path):
   assert int(state.step) == 3
   assert tr.update_fn()._cache_size() == 1
   assert jax.tree.map(lambda a: a.sharding, state) == shardings
+
+
+def length_reward(example, response):
+  """A verifier with a spread of rewards for an untrained model (so groups have
+  non-zero advantages and the params move), a pure function of the response."""
+  return (len(response) % 3) / 2.0, f"length {len(response)}"
+
+
+def _resume_matches_straight(tmp_path, spec, **over):
+  """4 steps straight vs 2 steps + a fresh trainer resuming for 2 more: identical
+  params, GFPO history and stale-params history, and identical metrics."""
+  over = {"train.steps": 4, "data.verifier": "test_trainer:length_reward", **over}
+  tr = RLTrainer(small(spec, **over), str(tmp_path / "straight"), mesh=one_device_mesh())
+  s_straight, _ = tr.train()
+  tr.close()
+  tr = RLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh())
+  tr.train(tr.init_state(), steps=2)
+  tr.close()
+  tr = RLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh())
+  s_resumed, _ = tr.train()
+  tr.close()
+  assert int(s_resumed.step) == int(s_straight.step) == 4
+  for x, y in zip(jax.tree.leaves(jax.device_get(s_straight)),
+                  jax.tree.leaves(jax.device_get(s_resumed))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  drop = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "tokens/per_s"))}
+  ra, rb = (metrics_lib.read_jsonl(os.path.join(tmp_path, d, "metrics.jsonl"))
+            for d in ("straight", "resumed"))
+  assert [drop(r) for r in ra] == [drop(r) for r in rb]
+  return s_straight
+
+
+def test_resume_is_exact_with_stale_rollouts(tmp_path):
+  """rl.staleness > 0: the params that sampled each step are part of the state."""
+  s = _resume_matches_straight(tmp_path, "configs/grpo.py:tiny,decoupled",
+                               **{"rl.staleness": 2})
+  assert len(s.param_history) == 2
+  # the params moved, and the history holds older params, not the current ones
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+             zip(jax.tree.leaves(s.param_history[-1]), jax.tree.leaves(s.params)))
+
+
+def test_resume_is_exact_with_adaptive_gfpo(tmp_path):
+  """GFPO's adaptive difficulty history is part of the state."""
+  s = _resume_matches_straight(tmp_path, "configs/gfpo.py:tiny,adaptive")
+  assert int(s.gfpo.count) == 4 * 4  # 4 steps x 4 prompts pushed into the history

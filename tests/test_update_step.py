@@ -10,7 +10,10 @@ import pytest
 from fbos_jax.model import qwen
 from fbos_jax.rl import assemble
 from fbos_jax.rl import batch as batch_lib
+from fbos_jax.rl import config as C
+from fbos_jax.rl import objectives as O
 from fbos_jax.rl import update as U
+from fbos_jax.rl.state import TrainState
 
 CFG = qwen.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8)
@@ -24,14 +27,31 @@ def _params(seed=0):
 def _batch(n, seed, *, adv=None, offpolicy=None, old_logp=None):
   rng = np.random.default_rng(seed)
   prompts = [list(rng.integers(3, 40, size=rng.integers(2, P_LEN + 1))) for _ in range(n)]
-  pt, pm = batch_lib.left_pad(prompts, P_LEN, 0)
   rt = rng.integers(3, 40, size=(n, R_LEN)).astype(np.int32)
   lens = rng.integers(1, R_LEN + 1, size=n)
   rm = (np.arange(R_LEN)[None] < lens[:, None]).astype(np.int32)
   adv = rng.normal(size=n).astype(np.float32) if adv is None else adv
   old = (rng.normal(size=(n, R_LEN)) * 0.1 - 2.0).astype(np.float32) if old_logp is None else old_logp
   off = np.zeros(n, bool) if offpolicy is None else offpolicy
-  return batch_lib.make_policy_batch(pt, pm, rt, rm, adv, old, off, num_rows=n)
+  return batch_lib.make_policy_batch(prompts, rt, rm, adv, old, off, prompt_len=P_LEN, num_rows=n)
+
+
+def _empty(rows):
+  """A batch whose rows are all padding (fully masked): its term is exactly 0."""
+  z = np.zeros((0, R_LEN), np.int32)
+  return batch_lib.make_policy_batch([], z, z, np.zeros(0, np.float32), z.astype(np.float32),
+                                     np.zeros(0, bool), prompt_len=P_LEN, num_rows=rows)
+
+
+def _ucfg(w=(1.0, 1.0), lc=C.LossConfig(), **kw):
+  return C.UpdateConfig(terms=(C.Term("epa", "policy_gradient", w[0]),
+                               C.Term("ecc", "policy_gradient", w[1])), loss=lc, **kw)
+
+
+def _step(opt, w=(1.0, 1.0), lc=C.LossConfig(), **kw):
+  """The jitted update with an EPA and an ECC term: (state, epa, ecc) -> (state, metrics)."""
+  fn = jax.jit(U.make_update_fn(CFG, opt, _ucfg(w, lc, **kw)))
+  return lambda state, epa, ecc: fn(state, {"epa": epa, "ecc": ecc})
 
 
 def _opt(lr=1e-2):
@@ -39,15 +59,19 @@ def _opt(lr=1e-2):
 
 
 def _state(params, opt):
-  return U.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params),
-                      rng=jax.random.key_data(jax.random.key(0)))
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params),
+                    rng=jax.random.key_data(jax.random.key(0)),
+                    nonfinite_steps=jnp.zeros((), jnp.int32))
 
 
-def _grads(params, epa, ecc, w, lc=U.LossConfig()):
+def _grads(params, epa, ecc, w, lc=C.LossConfig()):
+  ucfg = _ucfg((1.0, 1.0), lc)
+
   @jax.jit
   def g(params, epa, ecc, w):
-    denoms = (U._denoms(epa, lc), U._denoms(ecc, lc))
-    return jax.grad(lambda p: U.combined_loss(p, CFG, epa, ecc, w, lc, denoms)[0])(params)
+    batches = {"epa": epa, "ecc": ecc}
+    denoms = {k: O.denominators(b, lc) for k, b in batches.items()}
+    return jax.grad(lambda p: O.objective(p, CFG, batches, ucfg, w, denoms)[0])(params)
   return g(params, epa, ecc, jnp.asarray(w))
 
 
@@ -57,10 +81,10 @@ def test_all_equal_rewards_give_zero_update():
   assert np.all(adv == 0)
   opt = _opt()
   params = _params()
-  step = jax.jit(U.make_update_step(CFG, opt, U.LossConfig()))
+  step = _step(opt)
   epa = _batch(8, 1, adv=adv)
   ecc = _batch(4, 2, adv=np.zeros(4, np.float32))
-  new, m = step(_state(params, opt), epa, ecc, jnp.asarray([1.0, 1.0]))
+  new, m = step(_state(params, opt), epa, ecc)
   for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert float(m["grad_norm"]) == 0.0
@@ -83,14 +107,14 @@ def test_offpolicy_gradient_has_f_u_form(denominator):
   """∇L = Σ_t −A·λ·u_t/(u_t+λ)² ∇log π_t / D for an off-policy row (no clipping)."""
   params = _params()
   lam = 0.1
-  lc = U.LossConfig(offpolicy_lambda=lam, offpolicy_ratio_denominator=denominator)
+  lc = C.LossConfig(offpolicy_lambda=lam, offpolicy_ratio_denominator=denominator)
   epa = _batch(3, 7, adv=np.asarray([1.5, -0.7, 0.4], np.float32),
                offpolicy=np.asarray([True, True, True]))
-  ecc = batch_lib.empty_policy_batch(P_LEN, R_LEN, 2)
+  ecc = _empty(2)
   g = _grads(params, epa, ecc, [1.0, 0.0], lc)
 
   def logp_fn(p):
-    return U.sequence_logprobs(p, CFG, epa, compute_entropy=False)[0]
+    return O.sequence_logprobs(p, CFG, epa, compute_entropy=False)[0]
 
   logp, vjp = jax.vjp(logp_fn, params)
   logp = np.asarray(logp, np.float64)
@@ -117,15 +141,15 @@ def test_grpo_step_matches_from_scratch_reference():
   params = _params(1)
   # the "sampler" log-probs: current params slightly perturbed, so ratios != 1
   noisy = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(5), x.shape), params)
-  old_logp = np.asarray(U.sequence_logprobs(noisy, CFG, b0, compute_entropy=False)[0])
+  old_logp = np.asarray(O.sequence_logprobs(noisy, CFG, b0, compute_entropy=False)[0])
   adv = assemble.advantages(rewards, np.ones((P, G), bool), "grpo", 1e-6).reshape(-1)
   epa = batch_lib.PolicyBatch(tokens=b0.tokens, attn_mask=b0.attn_mask, loss_mask=b0.loss_mask,
                               advantages=jnp.asarray(adv), old_logp=jnp.asarray(old_logp),
                               is_offpolicy=b0.is_offpolicy)
-  ecc = batch_lib.empty_policy_batch(P_LEN, R_LEN, 2)
+  ecc = _empty(2)
   opt = optax.sgd(1.0)  # plain SGD: Adam's g/|g| would amplify float noise in tiny grads
-  step = jax.jit(U.make_update_step(CFG, opt, U.LossConfig(eps_low=0.2, eps_high=0.28)))
-  new, _ = step(_state(params, opt), epa, ecc, jnp.asarray([1.0, 1.0]))
+  step = _step(opt, lc=C.LossConfig(eps_low=0.2, eps_high=0.28))
+  new, _ = step(_state(params, opt), epa, ecc)
 
   # ---- from scratch
   r = rewards.astype(np.float64)
@@ -158,9 +182,8 @@ def test_micro_batch_accumulation_is_exact(agg):
   opt = _opt()
   outs = []
   for m in (1, 4):
-    lc = U.LossConfig(loss_agg=agg, micro_batches=m)
-    step = jax.jit(U.make_update_step(CFG, opt, lc))
-    new, met = step(_state(params, opt), epa, ecc, jnp.asarray([1.0, 0.5]))
+    step = _step(opt, (1.0, 0.5), C.LossConfig(loss_agg=agg), micro_batches=m)
+    new, met = step(_state(params, opt), epa, ecc)
     outs.append((new, met))
   for new, met in outs[1:]:
     np.testing.assert_allclose(met["loss"], outs[0][1]["loss"], rtol=1e-6, atol=1e-7)
@@ -170,11 +193,12 @@ def test_micro_batch_accumulation_is_exact(agg):
 def test_nonfinite_step_is_skipped():
   params = _params()
   epa = _batch(4, 31, adv=np.asarray([np.nan, 1, 1, 1], np.float32))
-  ecc = batch_lib.empty_policy_batch(P_LEN, R_LEN, 2)
+  ecc = _empty(2)
   opt = _opt()
-  step = jax.jit(U.make_update_step(CFG, opt, U.LossConfig(), skip_nonfinite=True))
-  new, m = step(_state(params, opt), epa, ecc, jnp.asarray([1.0, 1.0]))
+  step = _step(opt, skip_nonfinite=True)
+  new, m = step(_state(params, opt), epa, ecc)
   assert float(m["finite"]) == 0.0
-  assert int(new.step) == 0
+  # a skipped step is still a loop step (issue 14): counted, params untouched
+  assert int(new.step) == 1 and int(new.nonfinite_steps) == 1
   for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -16,21 +16,27 @@ import dataclasses
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import fbos_kernels as K
 
 
+_group_advantages = jax.jit(K.group_advantages, static_argnames=("estimator", "eps"))
+_gfpo_advantages = jax.jit(K.gfpo_advantages, static_argnames=("estimator", "eps"))
+_gfpo_scores = jax.jit(K.gfpo_scores, static_argnames=("metric",))
+_gfpo_keep_mask = jax.jit(K.gfpo_keep_mask)
+
+
 def advantages(rewards: np.ndarray, valid: np.ndarray, estimator: str, eps: float,
                keep: Optional[np.ndarray] = None) -> np.ndarray:
-  """Group advantages [P, G] on host through the kernels (GFPO when ``keep``)."""
-  r = jnp.asarray(rewards, jnp.float32)
-  v = jnp.asarray(valid, bool)
+  """Group advantages [P, G] through the kernels, jitted (GFPO's over the kept
+  subset when ``keep`` [P, G] is given); returned as numpy."""
+  r = np.asarray(rewards, np.float32)
+  v = np.asarray(valid, bool)
   if keep is not None:
-    a = K.gfpo_advantages(r, v, jnp.asarray(keep, bool), eps=eps)
+    a = _gfpo_advantages(r, v, np.asarray(keep, bool), estimator=estimator, eps=eps)
   else:
-    a = K.group_advantages(r, v, estimator=estimator, eps=eps)
+    a = _group_advantages(r, v, estimator=estimator, eps=eps)
   return np.asarray(a, np.float32)
 
 
@@ -114,34 +120,36 @@ def epa_groups(r1: np.ndarray, r2: np.ndarray, r2_prompt: np.ndarray, r2_source:
   for p in range(P):
     if trigger == "adaptive" and not r1[p].mean() < tau:
       continue
-    js = np.flatnonzero(r2_prompt == p)
-    if select == "correct":
-      js = js[r2[js] >= threshold]
-    elif select == "improved":
-      src_r = np.where(r2_source[js] >= 0, r1[p][np.maximum(r2_source[js], 0)], r1[p].mean())
-      js = js[r2[js] > src_r]
+    js = _selected_round2(p, r1, r2, r2_prompt, r2_source, select, threshold)
     if js.size == 0:
       continue
     if mode == "append":
       js = js[:max_per_prompt]
-      k = js.size
-      member[p, n:n + k] = js
-      off[p, n:n + k] = True
-      valid[p, n:n + k] = True
-      rew[p, n:n + k] = r2[js]
-      injected += k
+      slots = np.arange(n, n + js.size)
+      valid[p, slots] = True
     else:
       failed = np.flatnonzero(r1[p] < threshold)
       k = min(max_per_prompt, failed.size, js.size)
       if k == 0:
         continue
       slots = rng.choice(failed, size=k, replace=False)
-      picks = rng.choice(js, size=k, replace=False)
-      member[p, slots] = picks
-      off[p, slots] = True
-      rew[p, slots] = r2[picks]
-      injected += k
+      js = rng.choice(js, size=k, replace=False)
+    member[p, slots] = js
+    off[p, slots] = True
+    rew[p, slots] = r2[js]
+    injected += js.size
   return EpaGroups(member, off, valid, rew, injected)
+
+
+def _selected_round2(p, r1, r2, r2_prompt, r2_source, select: str, threshold: float):
+  """Round-2 rows of prompt ``p`` that EPA may pull back (``rl.epa_select``)."""
+  js = np.flatnonzero(r2_prompt == p)
+  if select == "correct":
+    js = js[r2[js] >= threshold]
+  elif select == "improved":
+    src_r = np.where(r2_source[js] >= 0, r1[p][np.maximum(r2_source[js], 0)], r1[p].mean())
+    js = js[r2[js] > src_r]
+  return js
 
 
 def ecc_advantages(r1: np.ndarray, r2: np.ndarray, r2_prompt: np.ndarray,
@@ -177,10 +185,12 @@ def ecc_advantages(r1: np.ndarray, r2: np.ndarray, r2_prompt: np.ndarray,
 
 
 def gfpo_keep(rewards: np.ndarray, lengths: np.ndarray, valid: np.ndarray, k, metric: str):
-  """[P, G] bool retention mask: top-k per group by the GFPO metric."""
-  scores = K.gfpo_scores(jnp.asarray(rewards, jnp.float32), jnp.asarray(lengths, jnp.float32),
-                         metric=metric)
-  return np.asarray(K.gfpo_keep_mask(scores, jnp.asarray(valid, bool), k), bool)
+  """[P, G] bool retention mask: top-k per group by the GFPO metric (jitted).
+  A member whose reward is not finite can take none of the k places."""
+  rewards = np.asarray(rewards, np.float32)
+  scores = _gfpo_scores(rewards, np.asarray(lengths, np.float32), metric=metric)
+  valid = np.asarray(valid, bool) & np.isfinite(rewards)
+  return np.asarray(_gfpo_keep_mask(scores, valid, np.asarray(k, np.int32)), bool)
 
 
 def all_zero_group_fraction(r1: np.ndarray) -> float:

@@ -13,8 +13,7 @@ from absl import logging
 from fbos_jax import data as data_lib
 from fbos_jax import templates
 from fbos_jax import tokenizer as tok_lib
-from fbos_jax.verifiers import VerifierPool
-from fbos_jax.verifiers.base import make_verifier
+from fbos_jax.verifiers.base import VerifierPool, make_verifier
 
 
 class Environment:
@@ -24,8 +23,10 @@ class Environment:
     self.config = config
     self.tokenizer = tokenizer
     self.verifier = verifier
-    self.pool = VerifierPool(verifier, num_workers=config.verifier.workers,
-                             timeout_s=config.verifier.timeout_s)
+    vc = config.verifier
+    self.pool = VerifierPool(verifier, num_workers=vc.workers, timeout_s=vc.timeout_s,
+                             backend=vc.backend, reward_range=tuple(vc.reward_range),
+                             max_abandoned_threads=vc.max_abandoned_threads)
     self.train_iter = train_iter
     self._eval_examples = eval_examples
     self.prompts = templates.PromptBuilder(tokenizer, config.templates)
@@ -39,12 +40,10 @@ class Environment:
   def from_config(cls, config, workdir: str, *, process_index: Optional[int] = None,
                   process_count: Optional[int] = None) -> "Environment":
     import jax
-    tok_path = config.model.tokenizer_path or config.model.hf_path
-    if not tok_path:  # tiny configs: build the character tokenizer once, in the workdir
-      tok_path = os.path.join(workdir, "tokenizer")
-      if not os.path.exists(os.path.join(tok_path, "tokenizer.json")):
-        tok_lib.build_char_tokenizer(tok_path)
+    tok_path = tok_lib.resolve_tokenizer_path(config, workdir)  # tiny: the char tokenizer
     tokenizer = tok_lib.load_tokenizer(tok_path)
+    tok_lib.check_tokenizer_compat(tokenizer, vocab_size=config.model.vocab_size,
+                                   template_style=config.templates.style, tokenizer_path=tok_path)
     verifier = make_verifier(config.data)
     pi = jax.process_index() if process_index is None else process_index
     pc = jax.process_count() if process_count is None else process_count
@@ -98,10 +97,15 @@ class Environment:
     return out
 
   def verify(self, examples: Sequence, texts: Sequence[str]):
+    """Verdicts of the pool (timeouts, fault isolation, reward range) as
+    (rewards [N] float32, feedback [N] str, is_error [N] bool, pool stats).
+    An error verdict's reward is a placeholder and its feedback is empty."""
+    if not len(texts):
+      return np.zeros(0, np.float32), [], np.zeros(0, bool), {}
     verdicts, stats = self.pool.run(list(examples), list(texts))
     rewards = np.asarray([v.reward for v in verdicts], np.float32)
-    return rewards, [v.feedback for v in verdicts], {
-        "errors": stats.get("verifier/errors", 0)}
+    errors = np.asarray([v.is_error for v in verdicts], bool)
+    return rewards, [v.feedback for v in verdicts], errors, stats
 
   # ----------------------------------------------------------------- sampling
   def sample(self, params, model_cfg, prompts, *, n, key, mesh, rules, temperature,
@@ -112,7 +116,8 @@ class Environment:
         params, model_cfg, prompts, key=key, n_per_prompt=n, mesh=mesh, rules=rules,
         max_new_tokens=sc.max_new_tokens, temperature=temperature, top_k=sc.top_k,
         top_p=sc.top_p, stop_token_ids=self.stop_ids, pad_id=self.pad_id,
-        prompt_buckets=prompt_buckets, batch_buckets=tuple(sc.get("batch_buckets", ())) or None)
+        prompt_buckets=prompt_buckets, batch_buckets=tuple(sc.get("batch_buckets", ())) or None,
+        allow_empty=True)
 
   def close(self):
     close = getattr(self.pool, "close", None)
@@ -136,6 +141,7 @@ def held_out_examples(config, *, process_index: int = 0, process_count: int = 1)
   dc.split = "eval"
   dc.shuffle = False
   dc.num_epochs = 1
+  dc.drop_remainder = False  # a held-out split smaller than the batch is still used
   if dc.source == "procedural":
     dc.num_examples = 8 * n
     unique: dict = {}

@@ -7,30 +7,46 @@ import os
 import time
 
 import jax
+import numpy as np
 from absl import logging
 
+from fbos_jax import data as data_lib
 from fbos_jax import metrics as metrics_lib
+from fbos_jax import sharding as sh
+from fbos_jax.model import hf
 from fbos_jax.rl import sft as sft_lib
 from fbos_jax.rl.env import Environment
 from fbos_jax.rl.trainer import RLTrainer
 
 
-def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = True):
+def with_checkpoint_model(config, init_from_hf: str = ""):
+  """The run's config with the architecture (and stop ids) of the HF checkpoint
+  ``init_from_hf`` or ``model.hf_path``: the file wins over a preset, so a model
+  is never built with another checkpoint's rope_theta or norm eps."""
+  src = init_from_hf or config.model.hf_path
+  if not src:
+    return config
+  config = hf.apply_hf_config(config, src)
+  if not tuple(config.sampling.stop_token_ids):
+    with config.unlocked():
+      config.sampling.stop_token_ids = tuple(hf.generation_stop_ids(src))
+  return config
+
+
+def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = True,
+                 allow_config_change: bool = False):
   t_start = time.perf_counter()
   os.makedirs(workdir, exist_ok=True)
-  if init_from_hf:
-    config = _with_hf(config, init_from_hf)
+  config = with_checkpoint_model(config, init_from_hf)
   env = Environment.from_config(config, workdir)
-  trainer = RLTrainer(config, workdir, env=env)
+  trainer = RLTrainer(config, workdir, env=env, allow_config_change=allow_config_change)
   params = None
-  if config.model.hf_path:
-    from fbos_jax.model.hf import load_hf_params
-    params, _ = load_hf_params(config.model.hf_path, mesh=trainer.mesh, rules=trainer.rules)
+  if config.model.hf_path:  # straight into the mesh's shardings, in model.param_dtype
+    params, _ = hf.load_hf_params(config.model.hf_path, trainer.model_cfg, mesh=trainer.mesh,
+                                  rules=sh.rules_dict(config.mesh.rules))
   state = trainer.init_state(params)
   state, resumed = trainer.maybe_restore(state)
-  if resumed:
-    metrics_lib.truncate_jsonl(trainer.metrics.path, int(state.step))
-  elif config.train.warm_start == "sft":
+  if not resumed and config.train.warm_start == "sft":
     t0 = time.perf_counter()
     params, cached = sft_lib.warm_start(config, env, state.params, mesh=trainer.mesh,
                                         cache_dir=os.path.join(workdir, "sft"))
@@ -41,12 +57,29 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
   start_acc = None
   if evals and int(state.step) == 0:
     start_acc = trainer.evaluate(state.params, evals, k=config.train.eval_k, step=0)
-    _print(f"held-out accuracy at RL start: {_acc_line(start_acc)} ({len(evals)} prompts)")
+    _print(f"held-out accuracy at RL start: {_acc_line(start_acc)} ({len(evals)} prompts; "
+           f"{data_lib.describe_eval_source(config.data)})")
   t0 = time.perf_counter()
   state, history = trainer.train(state, eval_examples=evals, initial_eval=start_acc)
   rl_s = time.perf_counter() - t0
-  summary = {"algo": config.algo, "rl_steps": int(state.step), "rl_seconds": rl_s,
-             "total_seconds": time.perf_counter() - t_start}
+  summary = _summary(config, trainer, state, history, evals, start_acc)
+  summary.update(rl_seconds=rl_s, total_seconds=time.perf_counter() - t_start)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    if plot:
+      png = metrics_lib.plot_metrics(metrics_lib.read_jsonl(trainer.metrics.path),
+                                     os.path.join(workdir, "metrics.png"),
+                                     title=f"{config.algo} ({config.variant})")
+      _print(f"curves: {png}")
+  trainer.close()
+  _print(json.dumps(summary))
+  return state, summary
+
+
+def _summary(config, trainer, state, history: list, evals: list, start_acc) -> dict:
+  """summary.json: held-out accuracies at RL start and end, median step times."""
+  summary = {"algo": config.algo, "rl_steps": int(state.step)}
   if evals:
     last = history[-1] if history else {}
     # the loop already evaluated its last step (eval_every > 0); reuse that
@@ -62,36 +95,11 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
         summary[f"{k.split('/')[1]}_end"] = end[k]
     _print(f"held-out accuracy at RL end:   {_acc_line(end)}")
   rows = [r for r in history if "time/step_s" in r]
-  if rows:
-    import numpy as np
-    for k in ("time/sample1_s", "time/round2_s", "time/verify_s", "time/update_s", "time/step_s"):
-      vals = [r[k] for r in rows if k in r]
-      if vals:
-        summary[f"median_{k.split('/')[1]}"] = float(np.median(vals))
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
-    if plot:
-      png = metrics_lib.plot_metrics(metrics_lib.read_jsonl(trainer.metrics.path),
-                                     os.path.join(workdir, "metrics.png"),
-                                     title=f"{config.algo} ({config.variant})")
-      _print(f"curves: {png}")
-  trainer.close()
-  _print(json.dumps(summary))
-  return state, summary
-
-
-def _with_hf(config, path):
-  from fbos_jax.model.hf import model_config_from_hf
-  mc = model_config_from_hf(path)
-  with config.unlocked():
-    import dataclasses
-    for f in dataclasses.fields(mc):
-      if f.name in ("param_dtype", "compute_dtype", "remat"):
-        continue
-      config.model[f.name] = getattr(mc, f.name)
-    config.model.hf_path = path
-  return config
+  for k in ("time/sample1_s", "time/round2_s", "time/verify_s", "time/update_s", "time/step_s"):
+    vals = [r[k] for r in rows if k in r]
+    if vals:
+      summary[f"median_{k.split('/')[1]}"] = float(np.median(vals))
+  return summary
 
 
 def _acc_line(e: dict) -> str:

@@ -20,10 +20,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from fbos_jax import buckets
 from fbos_jax import data as data_lib
+from fbos_jax import optim as optim_lib
 from fbos_jax import tasks as tasks_lib
 from fbos_jax.model import qwen
 from fbos_jax.rl import batch as batch_lib
+from fbos_jax.rl import config as config_lib
+from fbos_jax.rl import state as state_lib
 from fbos_jax.rl import update as update_lib
 
 
@@ -52,46 +56,77 @@ def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
   knows the FAP format, as an instruction-tuned base model would). A fixed count
   keeps the batch shapes fixed. The rest are plain ``q -> o`` demonstrations
   (FCP offline with ``conditional``: ``<EF>c</EF>q -> o``).
+
+  Every check runs through the environment's verifier pool (timeouts, fault
+  isolation, reward range) in one batch; an error verdict drops its demonstration.
   """
   thr = env.config.verifier.success_threshold
-  plain, corr = ([], []), ([], [])
-  for i, ex in enumerate(examples):
-    text = tasks_lib.solve(ex)
+  solutions = [tasks_lib.solve(ex) for ex in examples]
+  wrong, texts = {}, []
+  for i, text in enumerate(solutions):  # the same draws, in the same order, as one by one
     if not conditional and i < num_corrections:
-      wrong = _corrupt(text, rng)
-      v_wrong = env.verifier(ex, wrong)
-      if v_wrong.reward < thr and env.verifier(ex, text).reward >= thr:
-        corr[0].append(env.fap_ids(ex, wrong, v_wrong.feedback))
-        corr[1].append(env.tokenizer.encode(text, add_special_tokens=False) + [env.eos_id])
-        continue
+      wrong[i] = _corrupt(text, rng)
     if conditional and rng.random() < 0.5:
       text = _corrupt(text, rng)
-    v = env.verifier(ex, text)
-    if not conditional and v.reward < thr:
+    texts.append(text)
+  order = [(i, wrong[i]) for i in sorted(wrong)] + list(enumerate(texts))
+  rewards, feedback, errors, _ = env.verify([examples[i] for i, _ in order], [t for _, t in order])
+  verdict = {}  # (i, text) -> (reward, feedback) of a real verdict
+  for (i, t), r, f, e in zip(order, rewards, feedback, errors):
+    if not e:
+      verdict[(i, t)] = (float(r), f)
+  plain, corr = ([], []), ([], [])
+  for i, ex in enumerate(examples):
+    w, ok = verdict.get((i, wrong.get(i))), verdict.get((i, solutions[i]))
+    if i in wrong and w and ok and w[0] < thr and ok[0] >= thr:
+      corr[0].append(env.fap_ids(ex, wrong[i], w[1]))
+      corr[1].append(env.tokenizer.encode(solutions[i], add_special_tokens=False) + [env.eos_id])
+      continue
+    v = verdict.get((i, texts[i]))
+    if v is None or (not conditional and v[0] < thr):
       continue  # only verified demonstrations
-    resp = env.tokenizer.encode(text, add_special_tokens=False) + [env.eos_id]
+    plain[1].append(env.tokenizer.encode(texts[i], add_special_tokens=False) + [env.eos_id])
     if conditional:
-      c = positive_feedback if v.reward >= thr else v.feedback
-      plain[0].append(env.fcp_prompt(ex, c))
+      plain[0].append(env.fcp_prompt(ex, positive_feedback if v[0] >= thr else v[1]))
     else:
       plain[0].append(env.prompt_ids(ex))
-    plain[1].append(resp)
   return plain, corr
 
 
 def sft_batch(env, prompts, responses, prompt_len: int, response_len: int,
               num_rows: int) -> batch_lib.PolicyBatch:
+  """Demonstrations as an MLE batch: prompts left-padded, responses (EOS included)
+  right-padded to ``response_len``; advantages 1, nothing off-policy."""
   n = len(prompts)
-  pt, pm = batch_lib.left_pad(prompts, prompt_len, env.pad_id)
   rt = np.full((n, response_len), env.pad_id, np.int32)
   rm = np.zeros((n, response_len), np.int32)
   for i, r in enumerate(responses):
     r = r[:response_len]
     rt[i, :len(r)] = r
     rm[i, :len(r)] = 1
-  return batch_lib.make_policy_batch(pt, pm, rt, rm, np.ones(n, np.float32),
-                                     np.zeros((n, response_len), np.float32), np.zeros(n, bool),
-                                     num_rows=num_rows, pad_id=env.pad_id)
+  return batch_lib.make_policy_batch(
+      prompts, rt, rm, np.ones(n, np.float32), np.zeros((n, response_len), np.float32),
+      np.zeros(n, bool), prompt_len=prompt_len, num_rows=num_rows, pad_id=env.pad_id,
+      field="sampling.fap_prompt_buckets / templates.max_prompt_tokens")
+
+
+def _sft_setup(config, steps: int, shards: int):
+  """The optimizer, the update (one MLE term per demonstration kind, weighted by
+  its share of the batch) and the row buckets of the SFT warm start."""
+  sft = config.sft
+  n_corr = 0 if sft.conditional else int(round(sft.fap_fraction * sft.batch_size))
+  share = n_corr / sft.batch_size
+  terms = (config_lib.Term("demos", "mle", 1.0 - share),)
+  if n_corr:  # corrections (long FAP contexts) get their own batch and prompt bucket
+    terms += (config_lib.Term("corrections", "mle", share),)
+  ucfg = config_lib.UpdateConfig(terms=terms, loss=config_lib.LossConfig(temperature=1.0))
+  optim = mlc.ConfigDict(config.optim.to_dict())
+  optim.learning_rate, optim.warmup_steps, optim.schedule = (
+      sft.learning_rate, sft.warmup_steps, sft.schedule)
+  opt = optim_lib.make_optimizer(optim, steps)
+  rows = (buckets.bucket_rows(max(sft.batch_size - n_corr, 1), shards),
+          buckets.bucket_rows(max(n_corr, 1), shards))
+  return opt, optim, ucfg, n_corr, rows
 
 
 def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progress: bool = True):
@@ -102,69 +137,66 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   from fbos_jax import sharding as sh
   model_cfg = qwen.ModelConfig.from_dict(config.model)
   steps = config.sft.steps if steps is None else steps
-  optim = mlc.ConfigDict(config.optim.to_dict())
-  optim.learning_rate = config.sft.learning_rate
-  optim.warmup_steps = config.sft.warmup_steps
-  optim.schedule = config.sft.schedule
-  opt = update_lib.make_optimizer(optim, steps)
-  lc = update_lib.LossConfig(objective="mle", temperature=1.0)
-  step_fn = jax.jit(update_lib.make_update_step(model_cfg, opt, lc), donate_argnums=(0,))
-  state = update_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                                opt_state=jax.jit(opt.init)(params),
-                                rng=jax.random.key_data(jax.random.key(0)))
+  opt, optim, ucfg, n_corr, (plain_rows, corr_rows) = _sft_setup(
+      config, steps, sh.batch_shard_count(mesh))
+  step_fn = jax.jit(update_lib.make_update_fn(model_cfg, opt, ucfg), donate_argnums=(0,))
+  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=jax.jit(lambda p: optim_lib.init_opt_state(opt, p, optim))(params),
+                               rng=jax.random.key_data(jax.random.key(0)),
+                               nonfinite_steps=jnp.zeros((), jnp.int32))
   it = data_lib.make_prompt_iterator(config.data, batch_size=config.sft.batch_size,
                                      process_index=jax.process_index(),
                                      process_count=jax.process_count(),
                                      seed=config.seed + 7919)
   rng = random.Random(config.seed)
   r_len = config.sampling.max_new_tokens
-  shards = sh.batch_shard_count(mesh)
-  # Corrections (long FAP contexts) go in the update's second slot with their own
-  # prompt bucket, so the short plain demonstrations are not padded to FAP length.
-  n_corr = 0 if config.sft.conditional else int(round(config.sft.fap_fraction * config.sft.batch_size))
-  plain_rows = batch_lib.bucket_rows(max(config.sft.batch_size - n_corr, 1), shards)
-  corr_rows = batch_lib.bucket_rows(max(n_corr, 1), shards)
   p_buckets = sorted(set(config.sampling.prompt_buckets) | set(config.sampling.fap_prompt_buckets))
   f_buckets = sorted(b for b in config.sampling.fap_prompt_buckets
                      if b <= max(config.templates.max_prompt_tokens, 1)) or \
       sorted(config.sampling.fap_prompt_buckets)[:1]
-  pick = lambda seqs, bs: next((b for b in bs if b >= max(map(len, seqs), default=1)), bs[-1])
   put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh), b)
-  empty = put(batch_lib.empty_policy_batch(8, r_len, corr_rows))
-  # each term is a token mean; weigh them by their share of the demonstrations
-  weights = jnp.asarray([1.0 - n_corr / config.sft.batch_size, n_corr / config.sft.batch_size])
   history = []
-  rng_iter = range(steps)
+  bar = range(steps)
   if progress and jax.process_index() == 0:
     from tqdm.auto import tqdm
-    rng_iter = tqdm(rng_iter, desc="SFT warm start", dynamic_ncols=True)
+    bar = tqdm(bar, desc="SFT warm start", dynamic_ncols=True)
   prev = None
-  for s in rng_iter:
+  for s in bar:
+    examples = next(it)
     (pp, pr), (cp, cr) = demonstration_rows(
-        env, next(it), conditional=config.sft.conditional, rng=rng,
+        env, examples, conditional=config.sft.conditional, rng=rng,
         positive_feedback=config.rl.fcp_positive_feedback, num_corrections=n_corr)
-    b = put(sft_batch(env, pp, pr, pick(pp, p_buckets), r_len, plain_rows))
-    # corrections always take the largest FAP bucket: one program for the whole run
-    # (their lengths straddle the smaller buckets, and a compile costs more here)
-    c = put(sft_batch(env, cp, cr, f_buckets[-1], r_len, corr_rows)) if cp else empty
-    state, m = step_fn(state, b, c, weights)
+    if not pp:
+      raise ValueError(
+          f"SFT step {s}: none of the {len(examples)} demonstrations passed the verifier "
+          f"({data_lib.locate(examples[0])} and the rest); check data.verifier and the "
+          "verifier's error log")
+    plen = buckets.pick_bucket(max(map(len, pp)), p_buckets, what="demonstration prompt",
+                               field="sampling.prompt_buckets")
+    batches = {"demos": put(sft_batch(env, pp, pr, plen, r_len, plain_rows))}
+    if n_corr:
+      # corrections always take the largest FAP bucket: one program for the whole run
+      # (their lengths straddle the smaller buckets, and a compile costs more here)
+      batches["corrections"] = put(sft_batch(env, cp, cr, f_buckets[-1], r_len, corr_rows))
+    with jax.set_mesh(mesh):  # attention picks its kernel from the mesh's devices
+      state, m = step_fn(state, batches)
     # wait for the previous step only, so the bar shows real progress while the
     # host still builds the next batch during this one (async dispatch)
     if prev is not None:
       jax.block_until_ready(prev[1])
       if prev[0] % 20 == 0:
-        _record(history, rng_iter, weights, *prev)
+        _record(history, bar, ucfg, *prev)
     prev = (s, m)
   if prev is not None:
-    _record(history, rng_iter, weights, *prev)
+    _record(history, bar, ucfg, *prev)
   return state.params, history
 
 
-def _record(history, bar, weights, s, m):
+def _record(history, bar, ucfg, s, m):
   m = jax.device_get(m)
-  nll = float(weights[0] * m["epa_loss"] + weights[1] * m["ecc_loss"])
-  history.append({"step": s, "nll": nll, "nll_plain": float(m["epa_loss"]),
-                  "nll_corrections": float(m["ecc_loss"])})
+  nll = sum(t.weight * float(m[f"{t.batch}_loss"]) for t in ucfg.terms)
+  history.append({"step": s, "nll": nll, "nll_plain": float(m["demos_loss"]),
+                  "nll_corrections": float(m.get("corrections_loss", np.nan))})
   if hasattr(bar, "set_postfix"):
     bar.set_postfix(nll=f"{nll:.3f}", refresh=False)
 

@@ -1,0 +1,45 @@
+"""The optimizer, shared by the RL update and the SFT warm start.
+
+State dtype rule: Adam's moments are kept in ``optim.opt_state_dtype``
+(float32 by default) whatever the params' dtype, so a bf16 model does not
+accumulate its moments in bf16.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+SCHEDULES = ("constant", "cosine")
+
+
+def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
+  """AdamW with linear warmup, a constant or cosine (to 0.1 x lr) schedule and
+  global-norm clipping (``optim.grad_clip``; 0 = off)."""
+  warm = max(int(optim_cfg.warmup_steps), 0)
+  lr = float(optim_cfg.learning_rate)
+  if optim_cfg.schedule == "cosine":
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(warm, 1), max(total_steps, warm + 1),
+                                               end_value=lr * 0.1)
+  elif optim_cfg.schedule == "constant":
+    sched = optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, max(warm, 1)), optax.constant_schedule(lr)], [warm]
+    ) if warm else optax.constant_schedule(lr)
+  else:
+    raise ValueError(f"optim.schedule={optim_cfg.schedule!r}; expected one of {SCHEDULES}.")
+  mu_dtype = jnp.dtype(optim_cfg.get("opt_state_dtype", "float32"))
+  chain = []
+  if optim_cfg.grad_clip and optim_cfg.grad_clip > 0:
+    chain.append(optax.clip_by_global_norm(float(optim_cfg.grad_clip)))
+  chain.append(optax.adamw(sched, b1=optim_cfg.b1, b2=optim_cfg.b2,
+                           weight_decay=optim_cfg.weight_decay, mu_dtype=mu_dtype))
+  return optax.chain(*chain)
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params, optim_cfg):
+  """Optimizer state with both Adam moments in ``optim.opt_state_dtype`` (the
+  state dtype rule above), whatever the params' dtype."""
+  dt = jnp.dtype(optim_cfg.get("opt_state_dtype", "float32"))
+  return optimizer.init(jax.tree.map(
+      lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p, params))

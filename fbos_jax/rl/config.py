@@ -1,0 +1,253 @@
+"""From a config (``configs/*.py``, an ml_collections ConfigDict) to the library.
+
+:func:`validate` rejects meaningless values and combinations before anything
+is built, naming every offending field. The ``*_config`` functions translate
+the config into the frozen dataclasses the library takes (hashable: they are
+part of the compiled programs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+TERM_BATCHES = ("epa", "ecc", "fcp")
+POLICY_GRADIENT_LOSSES = ("policy_gradient", "decoupled")
+ADVANTAGES = ("grpo", "drgrpo", "batch_std")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+  """One named term of the objective: the rows of ``batch`` under ``loss``, times ``weight``."""
+  batch: str
+  loss: str  # a name of fbos_kernels.POLICY_LOSSES
+  weight: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """The static knobs of every term's token loss (part of the compiled program)."""
+  loss_agg: str = "token-mean"
+  norm_len: int = 0  # seq-mean-token-sum-norm's constant; 0 = the response bucket length
+  eps_low: float = 0.2
+  eps_high: float = 0.28
+  dual_clip: float = 0.0  # 0 = off
+  offpolicy_lambda: float = 0.1
+  offpolicy_ratio_denominator: str = "one"
+  behav_weight_cap: float = 5.0
+  kl_beta: float = 0.0
+  kl_kind: str = "k3"
+  entropy_coef: float = 0.0
+  temperature: float = 1.0  # log-probs are of the temperature-scaled policy
+  time_chunk: int = 256
+  vocab_chunk: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+  """What one update step does: the terms, their loss knobs, and the loop shape
+  (epochs x mini-batches x micro-batches)."""
+  terms: tuple  # of Term, weight > 0
+  loss: LossConfig = LossConfig()
+  epochs: int = 1
+  mini_batches: int = 1
+  micro_batches: int = 1
+  schedule: str = "joint"  # joint | alternate
+  skip_nonfinite: bool = True
+
+  @property
+  def needs_prox(self) -> bool:
+    """Whether a term needs pi_prox log-probs (the decoupled objective)."""
+    return any(t.loss == "decoupled" for t in self.terms)
+
+  @property
+  def batch_names(self) -> tuple:
+    return tuple(t.batch for t in self.terms)
+
+
+def terms_of(config) -> tuple:
+  """The active terms (weight > 0) of ``config.rl.terms``, in a fixed order."""
+  out = []
+  for name in TERM_BATCHES:
+    t = config.rl.terms.get(name)
+    if t is not None and float(t.weight) > 0:
+      out.append(Term(name, str(t.loss), float(t.weight)))
+  return tuple(out)
+
+
+def loss_config(config) -> LossConfig:
+  rl = config.rl
+  return LossConfig(
+      loss_agg=rl.loss_agg, eps_low=float(rl.eps_low), eps_high=float(rl.eps_high),
+      dual_clip=float(rl.dual_clip), offpolicy_lambda=float(rl.offpolicy_lambda),
+      offpolicy_ratio_denominator=rl.offpolicy_ratio_denominator,
+      behav_weight_cap=float(rl.behav_weight_cap), kl_beta=float(rl.kl_beta),
+      kl_kind=rl.kl_kind, entropy_coef=float(rl.entropy_coef),
+      temperature=float(config.sampling.temperature) or 1.0)
+
+
+def update_config(config) -> UpdateConfig:
+  rl = config.rl
+  return UpdateConfig(terms=terms_of(config), loss=loss_config(config),
+                      epochs=max(int(rl.ppo_epochs), 1), mini_batches=max(int(rl.mini_batches), 1),
+                      micro_batches=max(int(rl.micro_batches), 1),
+                      schedule=rl.objective_schedule, skip_nonfinite=bool(rl.skip_nonfinite))
+
+
+def sft_update_config(config, num_terms: int = 2) -> UpdateConfig:
+  """SFT names its own terms: plain demonstrations and corrections on FAPs, both MLE."""
+  terms = (Term("demos", "mle", 1.0), Term("corrections", "mle", 1.0))[:num_terms]
+  return UpdateConfig(terms=terms, loss=LossConfig(temperature=1.0))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _choice(errs, field, value, options):
+  if value not in options:
+    errs.append(f"{field}={value!r}: expected one of {' | '.join(options)}")
+
+
+def _positive(errs, field, value, *, allow_zero=False):
+  ok = isinstance(value, (int, float)) and math.isfinite(value) and (
+      value >= 0 if allow_zero else value > 0)
+  if not ok:
+    errs.append(f"{field}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(config, num_batch_shards: int = 1, process_count: Optional[int] = None):
+  """Raise ValueError listing every meaningless value or combination, by field."""
+  if process_count is None:
+    import jax
+    process_count = jax.process_count()
+  errs: list[str] = []
+  _validate_rl(config, errs)
+  _validate_rest(config, errs)
+  rl = config.rl
+  if rl.prompts_per_step % max(rl.mini_batches, 1):
+    errs.append(f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by "
+                f"rl.mini_batches={rl.mini_batches}")
+  if (rl.prompts_per_step * rl.group_size) % num_batch_shards:
+    errs.append(f"rl.prompts_per_step*rl.group_size={rl.prompts_per_step * rl.group_size} "
+                f"rollouts do not divide over the mesh's {num_batch_shards} batch shards "
+                "(mesh.dcn*data*fsdp); change one of them")
+  if rl.prompts_per_step % process_count:
+    errs.append(f"rl.prompts_per_step={rl.prompts_per_step} does not divide over "
+                f"{process_count} processes (each host samples its own prompts)")
+  if errs:
+    raise ValueError("Invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def _validate_rl(config, errs):
+  rl = config.rl
+  terms = terms_of(config)
+  if not terms and config.train.steps > 0:
+    errs.append("rl.terms: every term has weight 0, so RL would train nothing; set e.g. "
+                "--config.rl.terms.epa.weight=1")
+  for name, t in rl.terms.items():
+    if name not in TERM_BATCHES:
+      errs.append(f"rl.terms.{name}: unknown term; the rollout builds {' | '.join(TERM_BATCHES)}")
+    import fbos_kernels as K
+    if t.loss not in K.POLICY_LOSSES:
+      errs.append(f"rl.terms.{name}.loss={t.loss!r}: expected one of "
+                  f"{' | '.join(sorted(K.POLICY_LOSSES))}")
+    if not (isinstance(t.weight, (int, float)) and math.isfinite(t.weight) and t.weight >= 0):
+      errs.append(f"rl.terms.{name}.weight={t.weight!r}: must be >= 0 (0 = off)")
+  names = {t.batch for t in terms}
+  pg = any(t.loss in POLICY_GRADIENT_LOSSES for t in terms)
+  if pg and rl.group_size < 2:
+    errs.append(f"rl.group_size={rl.group_size}: group-normalised advantages need >= 2 "
+                "rollouts per prompt (set --config.rl.group_size=8)")
+  if rl.group_size < 1:
+    errs.append(f"rl.group_size={rl.group_size}: must be >= 1")
+  if rl.gfpo_k and not rl.gfpo_adaptive and not 0 < rl.gfpo_k < rl.group_size:
+    errs.append(f"rl.gfpo_k={rl.gfpo_k} must be in [1, group_size-1={rl.group_size - 1}] "
+                "(GFPO keeps k of G)")
+  if rl.round2 and config.data.verifier in ("", "none"):
+    errs.append(f"rl.round2=True (fap_mode={rl.fap_mode!r}) needs verifier feedback, but "
+                f"data.verifier={config.data.verifier!r}")
+  if "ecc" in names and not rl.round2:
+    errs.append(f"rl.terms.ecc.weight={rl.terms.ecc.weight} > 0 trains on FAPs, which needs "
+                "rl.round2=True")
+  if rl.round2 and not names & {"epa", "ecc"}:
+    errs.append("rl.round2=True samples feedback-guided rollouts, but neither rl.terms.epa nor "
+                "rl.terms.ecc uses them (both weights are 0)")
+  _validate_rl_values(config, errs)
+
+
+def _validate_rl_values(config, errs):
+  """Choices and ranges of the rl section, one field at a time."""
+  rl = config.rl
+  terms = terms_of(config)
+  _choice(errs, "rl.prompt", rl.prompt, ("plain", "fcp"))
+  _choice(errs, "rl.advantage", rl.advantage, ADVANTAGES)
+  _choice(errs, "rl.loss_agg", rl.loss_agg, AGG_MODES)
+  _choice(errs, "rl.offpolicy_ratio_denominator", rl.offpolicy_ratio_denominator,
+          ("one", "behaviour"))
+  _choice(errs, "rl.objective_schedule", rl.objective_schedule, ("joint", "alternate"))
+  _choice(errs, "rl.fap_from", rl.fap_from, ("failed", "all"))
+  _choice(errs, "rl.fap_mode", rl.fap_mode, ("single", "aggregated"))
+  _choice(errs, "rl.epa_select", rl.epa_select, ("correct", "improved", "all"))
+  _choice(errs, "rl.epa_mode", rl.epa_mode, ("append", "replace"))
+  _choice(errs, "rl.epa_trigger", rl.epa_trigger, ("always", "adaptive"))
+  _choice(errs, "rl.ecc_advantage", rl.ecc_advantage, ("group", "improvement"))
+  _choice(errs, "rl.gfpo_metric", rl.gfpo_metric, ("length", "token_efficiency"))
+  _choice(errs, "rl.kl_kind", rl.kl_kind, ("k1", "k2", "k3"))
+  if rl.round2 and config.templates.max_prompt_tokens > max(config.sampling.fap_prompt_buckets):
+    errs.append(f"templates.max_prompt_tokens={config.templates.max_prompt_tokens} exceeds the "
+                f"largest sampling.fap_prompt_buckets={max(config.sampling.fap_prompt_buckets)}")
+  for f in ("staleness", "epa_max_per_prompt", "kl_beta", "entropy_coef"):
+    _positive(errs, f"rl.{f}", rl[f], allow_zero=True)
+  for f in ("ppo_epochs", "mini_batches", "micro_batches", "prompts_per_step", "round2_size",
+            "offpolicy_lambda", "adv_eps", "behav_weight_cap"):
+    _positive(errs, f"rl.{f}", rl[f])
+  if not 0 <= rl.eps_low < 1 or not rl.eps_high >= 0:
+    errs.append(f"rl.eps_low={rl.eps_low}, rl.eps_high={rl.eps_high}: need 0 <= eps_low < 1 "
+                "and eps_high >= 0")
+  if rl.dual_clip and not rl.dual_clip > 1:
+    errs.append(f"rl.dual_clip={rl.dual_clip}: must be > 1 (e.g. 3.0), or 0 = off")
+  if rl.staleness > 0 and not any(t.loss == "decoupled" for t in terms):
+    errs.append(f"rl.staleness={rl.staleness} samples with old params, but no term uses the "
+                "decoupled loss that corrects for it; add the flavor (e.g. "
+                "--config=configs/grpo.py:tiny,decoupled)")
+
+
+def _validate_rest(config, errs):
+  s, o, v = config.sampling, config.optim, config.verifier
+  if not (isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1):
+    errs.append(f"sampling.max_new_tokens={s.max_new_tokens!r}: must be an integer >= 1")
+  if config.train.steps > 0 and not s.temperature > 0:
+    errs.append(f"sampling.temperature={s.temperature!r}: training rollouts need a temperature "
+                "> 0 (at 0 every sample of a group is the same greedy answer, so every "
+                "advantage and gradient is 0); use sampling.eval_temperature for greedy eval")
+  if not s.eval_temperature >= 0:
+    errs.append(f"sampling.eval_temperature={s.eval_temperature!r}: must be >= 0 (0 = greedy)")
+  if not 0 < s.top_p <= 1:
+    errs.append(f"sampling.top_p={s.top_p!r}: must be in (0, 1]")
+  if s.top_k < 0:
+    errs.append(f"sampling.top_k={s.top_k!r}: must be >= 0 (0 = off)")
+  _positive(errs, "optim.learning_rate", o.learning_rate)
+  _positive(errs, "optim.warmup_steps", o.warmup_steps, allow_zero=True)
+  _positive(errs, "optim.grad_clip", o.grad_clip, allow_zero=True)
+  _positive(errs, "optim.weight_decay", o.weight_decay, allow_zero=True)
+  _choice(errs, "optim.schedule", o.schedule, ("constant", "cosine"))
+  if not (0 <= o.b1 < 1 and 0 <= o.b2 < 1):
+    errs.append(f"optim.b1={o.b1}, optim.b2={o.b2}: must be in [0, 1)")
+  _choice(errs, "verifier.backend", v.backend, ("thread", "process"))
+  lo, hi = (tuple(v.reward_range) + (None, None))[:2]
+  if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float))
+          and math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+    errs.append(f"verifier.reward_range={tuple(v.reward_range)!r}: must be two finite "
+                "numbers lo < hi")
+  _positive(errs, "verifier.timeout_s", v.timeout_s)
+  _positive(errs, "verifier.workers", v.workers)
+  if not 0 <= config.data.eval_fraction < 1:
+    errs.append(f"data.eval_fraction={config.data.eval_fraction!r}: must be in [0, 1)")
+  if config.train.warm_start not in ("", "sft"):
+    errs.append(f"train.warm_start={config.train.warm_start!r}: expected '' or 'sft'")
+  if config.train.warm_start == "sft":
+    _positive(errs, "sft.learning_rate", config.sft.learning_rate)
+    if not 0 <= config.sft.fap_fraction <= 1:
+      errs.append(f"sft.fap_fraction={config.sft.fap_fraction!r}: must be in [0, 1]")

@@ -1,0 +1,113 @@
+"""The loss as a tuple of named terms: L = sum_i w_i * (L_i + kl_beta * KL_i - c_H * H_i).
+
+A term (:class:`fbos_jax.rl.config.Term`) names a batch the rollout built
+(``epa``, ``ecc``, ``fcp``; SFT: ``demos``, ``corrections``), a token loss of
+the kernels' registry (``fbos_kernels.get_policy_loss``: ``policy_gradient``,
+``decoupled``, ``mle``, ...) and a weight. Each term keeps its own
+(sum, denominator) pair: denominators depend only on the masks, so they are
+computed once per (mini-)batch and every micro-batch adds ``sum / denominator``;
+gradient accumulation is then exact (tunix-style), and the weights mean what
+they say whatever the terms' token counts.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+import fbos_kernels as K
+from fbos_jax.model import qwen
+from fbos_jax.rl.batch import PolicyBatch
+from fbos_jax.rl.config import LossConfig, UpdateConfig
+
+METRICS_PER_TERM = ("loss", "entropy", "kl", "clipfrac")
+
+
+def sequence_logprobs(params, cfg: qwen.ModelConfig, batch: PolicyBatch, *,
+                      temperature: float = 1.0, time_chunk: int = 256,
+                      vocab_chunk: int = 8192, compute_entropy: bool = True):
+  """Teacher-forced log-probs of the response tokens.
+
+  Returns (logp [N, R], entropy [N, R]) of the temperature-scaled policy,
+  computed from hidden states without materialising [N, R, V] logits.
+  """
+  hidden, _ = qwen.forward(params, batch.tokens, batch.attn_mask, cfg)
+  p, r = batch.prompt_len, batch.response_len
+  h = hidden[:, p - 1:p - 1 + r]
+  targets = batch.tokens[:, p:p + r]
+  return K.token_logprobs_and_entropy(
+      h, qwen.unembed_matrix(params, cfg).astype(cfg.dtype), targets,
+      temperature=temperature, time_chunk=min(time_chunk, r), vocab_chunk=vocab_chunk,
+      compute_entropy=compute_entropy)
+
+
+def denominators(batch: PolicyBatch, lc: LossConfig):
+  """(loss denominator, token count) of a whole (mini-)batch: parameter-free."""
+  mask = batch.loss_mask
+  ones = jnp.ones_like(mask)
+  _, d = K.aggregate(ones, mask, lc.loss_agg, norm_len=lc.norm_len or mask.shape[1])
+  _, d_tok = K.aggregate(ones, mask, "token-mean")
+  return d, d_tok
+
+
+def _hparams(lc: LossConfig) -> dict:
+  return dict(eps_low=lc.eps_low, eps_high=lc.eps_high, dual_clip=lc.dual_clip or None,
+              lam=lc.offpolicy_lambda, denominator=lc.offpolicy_ratio_denominator,
+              behav_weight_cap=lc.behav_weight_cap)
+
+
+def term_sums(params, cfg: qwen.ModelConfig, batch: PolicyBatch, loss: str, lc: LossConfig,
+              ref_params=None, prox_logp=None) -> dict:
+  """Sums (to be divided by the denominators) of one term on one micro-batch:
+  loss, entropy, KL to the reference, clipped-token fraction. Scalars."""
+  mask = batch.loss_mask
+  logp, ent = sequence_logprobs(params, cfg, batch, temperature=lc.temperature,
+                                time_chunk=lc.time_chunk, vocab_chunk=lc.vocab_chunk)
+  loss_t, clipped = K.get_policy_loss(loss)(
+      logp, old_logp=batch.old_logp, adv=batch.advantages, is_offpolicy=batch.is_offpolicy,
+      prox_logp=prox_logp, mask=mask, **_hparams(lc))
+  s_loss, _ = K.aggregate(loss_t, mask, lc.loss_agg, norm_len=lc.norm_len or mask.shape[1])
+  s_ent, _ = K.aggregate(ent, mask, "token-mean")
+  s_clip, _ = K.aggregate(clipped.astype(jnp.float32), mask, "token-mean")
+  s_kl = jnp.zeros(())
+  if ref_params is not None and lc.kl_beta > 0:
+    ref_logp, _ = sequence_logprobs(ref_params, cfg, batch, temperature=lc.temperature,
+                                    compute_entropy=False)
+    kl = K.kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kind=lc.kl_kind, mask=mask)
+    s_kl, _ = K.aggregate(kl, mask, "token-mean")
+  return dict(loss=s_loss, entropy=s_ent, kl=s_kl, clipfrac=s_clip)
+
+
+def term_weights(ucfg: UpdateConfig, step) -> jax.Array:
+  """[num_terms] weights at loop step ``step`` (traced): the configured weights
+  (``joint``), or only term ``step % num_terms`` on (``alternate``, the terms
+  take turns: EPA on even steps, ECC on odd)."""
+  w = jnp.asarray([t.weight for t in ucfg.terms], jnp.float32)
+  if ucfg.schedule == "alternate" and len(ucfg.terms) > 1:
+    on = jnp.arange(len(ucfg.terms)) == (step % len(ucfg.terms))
+    w = jnp.where(on, w, 0.0)
+  return w
+
+
+def objective(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConfig, weights,
+              denoms: dict, ref_params=None, prox: Optional[dict] = None):
+  """The loss of one micro-batch: each term's sums over its whole-(mini-)batch
+  denominators, weighted. Returns (loss, {term_metric: value})."""
+  lc = ucfg.loss
+  total = jnp.zeros(())
+  metrics = {}
+  for i, term in enumerate(ucfg.terms):
+    s = term_sums(params, cfg, batches[term.batch], term.loss, lc, ref_params,
+                  None if prox is None else prox.get(term.batch))
+    d, d_tok = denoms[term.batch]
+    pg = K.safe_divide(s["loss"], d)
+    ent = K.safe_divide(s["entropy"], d_tok)
+    kl = K.safe_divide(s["kl"], d_tok)
+    total = total + weights[i] * (pg + lc.kl_beta * kl - lc.entropy_coef * ent)
+    metrics[f"{term.batch}_loss"] = pg
+    metrics[f"{term.batch}_entropy"] = ent
+    metrics[f"{term.batch}_kl"] = kl
+    metrics[f"{term.batch}_clipfrac"] = K.safe_divide(s["clipfrac"], d_tok)
+  return total, metrics
