@@ -608,6 +608,35 @@ def _search(config, mesh, name: str, budget: float, say) -> str:
   return ""
 
 
+def fit_micro_batches(config, topology: str, *, progress=None) -> tuple[int, dict]:
+  """The fewest ``rl.micro_batches`` (powers of two) at which the update program
+  compiles within the fit fraction of HBM on ``topology``: the value a config
+  should ship (fewer micro-batches = larger matmuls). Returns (count, {count:
+  peak bytes or None when it did not compile}); count 0 if none fits."""
+  import copy
+  devices = topology_devices(topology)
+  mesh = target_mesh(config, devices, topology)
+  budget = fit_fraction(devices[0]) * hbm_bytes(devices[0])
+  say = progress or (lambda s: None)
+  shards = sh.batch_shard_count(mesh)
+  epa, _ = update_shapes(config, shards)
+  tried: dict = {}
+  m = 1
+  while m * shards <= epa.rows:
+    c = copy.deepcopy(config)
+    with c.unlocked():
+      c.rl.micro_batches = m
+    prog = next(p for p in step_programs(c, mesh) if p.name == "update")
+    rep = compile_program(prog, mesh)
+    tried[m] = None if rep.error else rep.peak
+    say(f"update with rl.micro_batches={m}: "
+        + (f"peak {rep.peak / GiB:.2f} GiB" if not rep.error else "does not compile"))
+    if _fits(rep, budget):
+      return m, tried
+    m *= 2
+  return 0, tried
+
+
 # ----------------------------------------------------------------------------- roofline
 
 

@@ -17,6 +17,8 @@ flags.DEFINE_integer("k", 1, "pass@k with k samples per prompt at temperature 1 
 flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = latest).")
 flags.DEFINE_string("init_from_hf", "", "The HF checkpoint directory the run started from (as "
                     "in train.py): model fields and tokenizer come from it.")
+flags.DEFINE_string("console_verbosity", "warning", "Console log level; the full log is "
+                    "appended to WORKDIR/log.txt.")
 FLAGS = flags.FLAGS
 
 
@@ -45,6 +47,8 @@ def evaluate(config, workdir: str, *, k: int = 1, step: int = -1, init_from_hf: 
 
 def main(argv):
   del argv
+  from fbos_jax import console
+  console.setup_logging(FLAGS.workdir, verbosity=FLAGS.console_verbosity)
   from fbos_jax.model.hf import CheckpointError
   try:
     res = evaluate(_CONFIG.value, FLAGS.workdir, k=FLAGS.k, step=FLAGS.step,

@@ -12,8 +12,6 @@ The directory gets the safetensors, ``config.json`` (keys we do not own, such as
 from the run's tokenizer directory) and the source's ``generation_config.json``.
 """
 import _common  # noqa: F401
-import os
-import shutil
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -25,57 +23,32 @@ flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = latest).")
 flags.DEFINE_string("dtype", "", "Export dtype (default: the params' dtype), e.g. bfloat16.")
 flags.DEFINE_string("init_from_hf", "", "The HF checkpoint directory the run started from (as "
                     "in train.py): model fields and tokenizer come from it.")
+flags.DEFINE_integer("check_greedy", 0, "After exporting, reload the export with transformers "
+                     "and check that its greedy generation on this many held-out prompts equals "
+                     "our sampler's, token for token (float32 on both sides; needs torch).")
+flags.DEFINE_string("console_verbosity", "warning", "Console log level; the full log is "
+                    "appended to WORKDIR/log.txt.")
 FLAGS = flags.FLAGS
-
-GENERATION_CONFIG = "generation_config.json"
-
-
-def export(config, workdir: str, out: str, *, step: int = -1, dtype: str = "",
-           init_from_hf: str = "") -> tuple[list[str], int]:
-  """Exports checkpoint ``step`` (-1 = latest) of ``workdir`` to ``out``.
-
-  ``init_from_hf`` (or ``config.model.hf_path``): the source HF directory; the
-  model fields are set from its ``config.json`` (``apply_hf_config``) and its
-  ``config.json`` / ``generation_config.json`` keys are kept in the export.
-
-  Returns:
-    (files written, the checkpoint's step).
-  """
-  import jax
-  from fbos_jax import tokenizer as tok_lib
-  from fbos_jax.model import hf
-  from fbos_jax.rl.trainer import RLTrainer
-  src = init_from_hf or config.model.get("hf_path", "")
-  if src:
-    config = hf.apply_hf_config(config, src)
-  tok_dir = tok_lib.resolve_tokenizer_path(config, workdir)  # a clear error before any work
-  trainer = RLTrainer(config, workdir, log_metrics=False)
-  try:
-    state = trainer.restore_train_state(None if step < 0 else step)
-    paths = hf.save_hf_checkpoint(state.params, trainer.model_cfg, out, dtype=dtype or None,
-                                  base_config=hf.read_hf_config(src) if src else None)
-    if jax.process_index() == 0:
-      written = tok_lib.copy_tokenizer_files(tok_dir, out)
-      if not written:  # so the directory serves as is
-        written = list(trainer.env.tokenizer.save_pretrained(out))
-      paths += written
-      if src and os.path.isfile(os.path.join(src, GENERATION_CONFIG)):
-        shutil.copyfile(os.path.join(src, GENERATION_CONFIG), os.path.join(out, GENERATION_CONFIG))
-        paths.append(os.path.join(out, GENERATION_CONFIG))
-    return paths, int(state.step)
-  finally:
-    trainer.close()
 
 
 def main(argv):
   del argv
+  from fbos_jax import console
+  console.setup_logging(FLAGS.workdir, verbosity=FLAGS.console_verbosity)
   from fbos_jax.model.hf import CheckpointError
+  from fbos_jax.rl import export as export_lib
   try:
-    paths, step = export(_CONFIG.value, FLAGS.workdir, FLAGS.out, step=FLAGS.step,
+    paths, step = export_lib.export_run(_CONFIG.value, FLAGS.workdir, FLAGS.out, step=FLAGS.step,
                          dtype=FLAGS.dtype, init_from_hf=FLAGS.init_from_hf)
   except (FileNotFoundError, CheckpointError) as e:  # no checkpoint / tokenizer / HF dir
     raise app.UsageError(str(e)) from None
   print(f"wrote {FLAGS.out} ({len(paths)} files) from step {step}")
+  if FLAGS.check_greedy:
+    same = export_lib.check_greedy(_CONFIG.value, FLAGS.workdir, FLAGS.out, FLAGS.check_greedy,
+                        init_from_hf=FLAGS.init_from_hf)
+    print(f"greedy check: {sum(same)}/{len(same)} held-out prompts equal token for token")
+    if not all(same):
+      raise SystemExit(1)
 
 
 if __name__ == "__main__":

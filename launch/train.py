@@ -22,6 +22,8 @@ flags.DEFINE_bool("dry_run", False, "Plan without training or allocating: with -
                   "not fit); with --mesh_devices, a quick abstract estimate.")
 flags.DEFINE_string("topology", "", "--dry_run target, a TPU topology such as v5p:2x4x4, "
                     "v5e:2x4, v6e:2x4, v4:2x2x2 (needs `pip install libtpu==0.0.42.1`).")
+flags.DEFINE_bool("fit_micro_batches", False, "With --dry_run --topology: compile the update "
+                  "at 1, 2, 4, ... micro-batches and print the fewest that fit.")
 flags.DEFINE_integer("mesh_devices", 0, "Plan for this many devices (abstract mesh) in --dry_run.")
 flags.DEFINE_string("init_from_hf", "", "Start from a Hugging Face checkpoint directory.")
 flags.DEFINE_bool("plot", True, "Draw metrics.png into the workdir at the end.")
@@ -81,13 +83,25 @@ def _compiled_dry_run(config, topology: str):
   import os
   import sys
   # the compiler only: no local TPU runtime, no libtpu process lock, quiet libtpu logs
-  for k, v in (("JAX_PLATFORMS", "cpu"), ("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
-               ("TPU_STDERR_LOG_LEVEL", "3"), ("TPU_MIN_LOG_LEVEL", "3")):
+  for k, v in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_STDERR_LOG_LEVEL", "3"),
+               ("TPU_MIN_LOG_LEVEL", "3")):
     os.environ.setdefault(k, v)
+  import jax
+  jax.config.update("jax_platforms", "cpu")  # before any backend starts
   from fbos_jax import plan as plan_lib
+  say = lambda m: print(m, file=sys.stderr, flush=True)
+  if FLAGS.fit_micro_batches:
+    try:
+      m, tried = plan_lib.fit_micro_batches(config, topology, progress=say)
+    except plan_lib.PlanError as e:
+      raise app.UsageError(str(e)) from None
+    print(json.dumps({"topology": topology, "fewest_fitting_micro_batches": m,
+                      "peak_bytes": tried}))
+    if not m:
+      sys.exit(1)
+    return
   try:
-    plan = plan_lib.compile_plan(config, topology,
-                                 progress=lambda m: print(m, file=sys.stderr, flush=True))
+    plan = plan_lib.compile_plan(config, topology, progress=say)
   except plan_lib.PlanError as e:
     raise app.UsageError(str(e)) from None
   print(plan_lib.format_compiled_plan(plan))

@@ -361,3 +361,12 @@ def shared_qwen3_checkpoint(root: PathLike, **kwargs) -> str:
   name = "qwen3_ckpt" + "".join(f"_{k}-{v}" for k, v in sorted(kwargs.items()))
   return shared_build(root, name,
                       lambda p: build_qwen3_checkpoint(p, tokenizer_dir=tok, **kwargs))
+
+
+if __name__ == "__main__":
+  # python -m fbos_jax.testing.qwen_fixture OUT_DIR: a random real-shape Qwen3
+  # checkpoint directory (config.json, model.safetensors, tokenizer, generation_config)
+  import sys
+  if len(sys.argv) != 2:
+    sys.exit("usage: python -m fbos_jax.testing.qwen_fixture OUT_DIR")
+  print(build_qwen3_checkpoint(sys.argv[1]))

@@ -28,6 +28,7 @@ what bounds a slow call.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from typing import Any, Mapping
@@ -182,6 +183,11 @@ class MathVerifier:
 
   def _timeout(self):
     on_main = threading.current_thread() is threading.main_thread()
+    if not on_main:
+      # math_verify's own timeout uses signals, which work on the main thread only;
+      # in the pool's workers the pool's per-call timeout (verifier.timeout_s)
+      # bounds the call instead, so math_verify's warning about it is noise
+      logging.getLogger("math_verify").setLevel(logging.ERROR)
     return self.timeout_s if on_main else None
 
   def __call__(self, example: Mapping[str, Any], response: str) -> Verdict:
