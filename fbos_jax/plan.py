@@ -611,8 +611,9 @@ def _search(config, mesh, name: str, budget: float, say) -> str:
 def fit_micro_batches(config, topology: str, *, progress=None) -> tuple[int, dict]:
   """The fewest ``rl.micro_batches`` (powers of two) at which the update program
   compiles within the fit fraction of HBM on ``topology``: the value a config
-  should ship (fewer micro-batches = larger matmuls). Returns (count, {count:
-  peak bytes or None when it did not compile}); count 0 if none fits."""
+  should ship (fewer micro-batches = larger matmuls). Starts at the configured
+  count and halves while it fits, or doubles until it does. Returns (count,
+  {count: peak bytes, or None when it did not compile}); count 0 if none fits."""
   import copy
   devices = topology_devices(topology)
   mesh = target_mesh(config, devices, topology)
@@ -621,19 +622,26 @@ def fit_micro_batches(config, topology: str, *, progress=None) -> tuple[int, dic
   shards = sh.batch_shard_count(mesh)
   epa, _ = update_shapes(config, shards)
   tried: dict = {}
-  m = 1
-  while m * shards <= epa.rows:
+
+  def fits(m: int) -> bool:
     c = copy.deepcopy(config)
     with c.unlocked():
       c.rl.micro_batches = m
-    prog = next(p for p in step_programs(c, mesh) if p.name == "update")
-    rep = compile_program(prog, mesh)
+    rep = compile_program(next(p for p in step_programs(c, mesh) if p.name == "update"), mesh)
     tried[m] = None if rep.error else rep.peak
     say(f"update with rl.micro_batches={m}: "
         + (f"peak {rep.peak / GiB:.2f} GiB" if not rep.error else "does not compile"))
-    if _fits(rep, budget):
-      return m, tried
+    return _fits(rep, budget)
+
+  m = max(1, 2 ** int(math.log2(max(config.rl.micro_batches, 1))))
+  if fits(m):
+    while m > 1 and fits(m // 2):
+      m //= 2
+    return m, tried
+  while m * 2 * shards <= epa.rows:
     m *= 2
+    if fits(m):
+      return m, tried
   return 0, tried
 
 

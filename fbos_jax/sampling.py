@@ -435,7 +435,12 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
   if mesh is not None:
     params = jax.tree.map(con, params, qwen.param_logical_axes(cfg),
                           is_leaf=lambda x: isinstance(x, jax.Array))
-  unembed = qwen.unembed_matrix(params, cfg).astype(dt)  # [D, V], materialised once
+  # the output projection as stored: a tied model multiplies by the embedding [V, D]
+  # itself (no transposed [D, V] copy, 311 MB for Qwen3-0.6B in bf16, held for the call)
+  if cfg.tie_embeddings:
+    unembed, spec = params["embed"].astype(dt), "bd,vd->bv"
+  else:
+    unembed, spec = params["unembed"].astype(dt), "bd,dv->bv"
   run_params = qwen.split_layers(params) if st.unroll else params
 
   def con_cache(c):
@@ -443,7 +448,7 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
     return jax.tree.map(con, c, axes, is_leaf=lambda x: isinstance(x, jax.Array))
 
   def logits_of(h):  # [B, D] -> [B, V] float32 (same arithmetic as logits_from_hidden)
-    return jnp.einsum("bd,dv->bv", h, unembed, preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, h, unembed, preferred_element_type=jnp.float32)
 
   sample_ids = None
   if row_ids is not None and not st.greedy:
