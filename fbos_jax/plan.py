@@ -770,29 +770,15 @@ def plan_json(plan: dict) -> dict:
 # ----------------------------------------------------------------------------- abstract plan
 
 
-def activation_bytes(model_cfg: qwen.ModelConfig, rows_per_device: int, seq: int,
-                     heads_local: int) -> int:
-  """Per-device activation bytes of one update micro-batch (an estimate; see
-  :func:`memory_plan`). The layer inputs saved for the backward pass ([rows, T, D]
-  per layer, compute dtype; more when nothing is rematerialised), plus the working
-  set of the one layer being recomputed: MLP intermediates and, with dense
-  attention, float32 scores [rows, heads, T, T]."""
-  dt = jnp.dtype(model_cfg.compute_dtype).itemsize
-  per_layer = rows_per_device * seq * model_cfg.hidden_size * dt
-  if model_cfg.remat == "none":
-    per_layer *= 6 + 3 * model_cfg.intermediate_size // model_cfg.hidden_size
-  work = rows_per_device * seq * model_cfg.intermediate_size * 4 * 3
-  from fbos_jax.model import attention as attn_lib
-  if attn_lib.choose(model_cfg.attention, seq, seq, block_q=model_cfg.attention_block_q,
-                     block_kv=model_cfg.attention_block_kv) == "dense":
-    work += rows_per_device * heads_local * seq * seq * 4
-  return int(model_cfg.num_layers * per_layer + work)
-
-
 def memory_plan(config, num_devices: int) -> dict[str, Any]:
-  """Per-device bytes of params, optimizer state, gradients and KV cache on an
-  abstract mesh of ``num_devices`` (``jax.eval_shape``; nothing is allocated, so
-  an 8B model plans on a laptop). An estimate: ``compile_plan`` is the authority."""
+  """Per-device bytes of the arrays whose size the shardings decide exactly:
+  params, optimizer state, gradients and the round-1 KV cache, on an abstract
+  mesh of ``num_devices`` (``jax.eval_shape``; nothing is allocated, so an 8B
+  model plans on a laptop), and the param shardings.
+
+  It does not estimate activations and temporaries: a hand formula was 4-60x
+  too low against the compiler's figures (issue 17), so whether a config fits
+  is only said by :func:`compile_plan` (``--dry_run --topology=...``)."""
   from fbos_jax.optim import init_opt_state, make_optimizer
   from fbos_jax.rl import state as state_lib
 
@@ -819,12 +805,7 @@ def memory_plan(config, num_devices: int) -> dict[str, Any]:
       "gradients": sh.per_device_bytes(grads, specs, mesh),
       "kv_cache": sh.per_device_bytes(cache, cache_specs, mesh),
   }
-  epa, ecc = update_shapes(config, batch_shards)
-  micro = max(config.rl.micro_batches, 1) * max(config.rl.mini_batches, 1)
-  heads_local = -(-model_cfg.num_heads // mesh.shape["tensor"])
-  out["activations"] = max(activation_bytes(model_cfg, -(-s.rows // (batch_shards * micro)),
-                                            s.seq_len, heads_local) for s in (epa, ecc))
-  out["total"] = sum(out.values())
+  out["total_static"] = sum(out.values())
   return {
       "param_count": qwen.count_params(abstract),
       "mesh": dict(mesh.shape),
@@ -848,11 +829,13 @@ def format_plan(plan: dict, hbm: dict[str, int] | None = None) -> str:
            "param sharding:"]
   for name, spec in plan["param_specs"].items():
     lines.append(f"  {name:<22} {spec}")
-  lines.append(f"per-device memory, an ESTIMATE (KV cache for {plan['kv_rows']} rows x "
-               f"{plan['kv_seq']} slots; `--topology=...` compiles the real programs):")
-  for k in ("params", "optimizer", "gradients", "kv_cache", "activations", "total"):
-    lines.append(f"  {k:<10} {b[k] / GiB:8.2f} GiB")
+  lines.append(f"per-device bytes of the sharded arrays (KV cache for {plan['kv_rows']} rows x "
+               f"{plan['kv_seq']} slots):")
+  for k in ("params", "optimizer", "gradients", "kv_cache", "total_static"):
+    lines.append(f"  {k:<12} {b[k] / GiB:8.2f} GiB")
+  lines.append("activations and temporaries are not estimated here: whether each program "
+               "fits is what `--dry_run --topology=v5p:2x4x4` (XLA's compiler) reports")
   for name, cap in (hbm or {}).items():
-    lines.append(f"  fits {name} ({cap / GiB:.2f} GiB HBM): {'yes' if b['total'] < cap else 'NO'}"
-                 f" ({100 * b['total'] / cap:.0f}% used)")
+    lines.append(f"  the sharded arrays alone take {100 * b['total_static'] / cap:.0f}% of a "
+                 f"{name} ({cap / GiB:.2f} GiB HBM)")
   return "\n".join(lines)

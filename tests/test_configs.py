@@ -71,11 +71,11 @@ def test_qwen_8b_param_count_and_memory_plans():
   for n in (32, 64):
     plan = memory_plan(c, n)
     assert plan["param_count"] == QWEN3_8B_PARAMS
-    total = plan["bytes_per_device"]["total"]
+    total = plan["bytes_per_device"]["total_static"]
     assert total < HBM_BYTES["v5p"], (n, total)
     assert plan["bytes_per_device"]["params"] * n >= QWEN3_8B_PARAMS * 2  # bf16, sharded
   h100 = memory_plan(load("configs/fbos.py:qwen_8b_h100"), 16)
-  assert h100["bytes_per_device"]["total"] < HBM_BYTES["h100"]
+  assert h100["bytes_per_device"]["total_static"] < HBM_BYTES["h100"]
   assert h100["mesh"]["tensor"] == 8 and h100["mesh"]["dcn"] == 2
 
 
@@ -97,7 +97,8 @@ def test_dry_run_cli_prints_plan():
   assert out.returncode == 0, out.stderr[-2000:]
   assert "params: 8,190,735,360" in out.stdout
   assert "fsdp=8 x tensor=4 (32 devices)" in out.stdout
-  assert "fits v5p (95.74 GiB HBM): yes" in out.stdout
+  # the sharded arrays only; whether it fits is the compiled plan's call (tests/test_plan.py)
+  assert "of a v5p (95.74 GiB HBM)" in out.stdout and "--topology" in out.stdout
 
 
 def test_cli_override_reaches_config():
@@ -108,3 +109,11 @@ def test_cli_override_reaches_config():
   assert out.returncode == 0, out.stderr[-2000:]
   assert "KV cache for 1024 rows" in out.stdout  # 64 prompts x 16
   assert "tensor=2" in out.stdout
+
+
+def test_config_sharding_rules_match_the_library_default():
+  """configs/base.py spells the rules out as data (no library import); the
+  library's default (for callers without a config) must say the same."""
+  from configs import base
+  from fbos_jax import sharding as sh
+  assert sh.rules_dict(base.SHARDING_RULES) == sh.rules_dict(sh.DEFAULT_RULES)

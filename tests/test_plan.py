@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from test_configs import load
+
 from fbos_jax import plan as plan_lib
 from fbos_jax.model import qwen
 
@@ -23,15 +25,6 @@ HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(
     not HAVE_LIBTPU, reason="XLA's TPU compiler is missing: pip install libtpu==0.0.42.1 "
     "(or pip install -r requirements-test.txt); no TPU is needed")
-
-
-def load(spec):
-  path, _, arg = spec.partition(":")
-  mod_spec = importlib.util.spec_from_file_location("cfg_plan_" + os.path.basename(path)[:-3],
-                                                    os.path.join(ROOT, path))
-  mod = importlib.util.module_from_spec(mod_spec)
-  mod_spec.loader.exec_module(mod)
-  return mod.get_config(arg)
 
 
 def small_real_heads(spec="configs/grpo.py:qwen3_0_6b"):
