@@ -34,46 +34,80 @@ _LARGE_RUN = {
     "templates.max_prompt_tokens": 4096, "optim.learning_rate": 1e-6,
 }
 
+_TINY_MODEL = dict(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=384,
+                   num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+                   rope_theta=10_000.0, rms_norm_eps=1e-6, tie_embeddings=True,
+                   param_dtype="float32", compute_dtype="float32", remat="none")
+
+_TINY_RUN = {
+    # "sort 4701=" -> "0147"; feedback names misplaced/missing items. Lists
+    # of 4-10 digits: one shared skill with a held-out split of distinct
+    # problems at every length. After the warm start the greedy answer is
+    # right on 56-73% of them but a T=1 sample only on 26-33%, so most
+    # groups have mixed rewards and RL has a policy to sharpen.
+    "data.source": "procedural", "data.task": "sort",
+    "data.difficulty": 4, "data.max_difficulty": 10,
+    # the compact feedback wording ("extra: 9(9) 10(9); missing 2"): the prose
+    # one spends ~47 characters per extra item, and whole FAPs in prose need
+    # 416 tokens at the median step (FAPs of the warm-started model), which
+    # would triple the update's cost (ECC at 512 prompt tokens)
+    "data.verifier": "fbos_jax.verifiers.procedural:CompactProceduralVerifier",
+    "sampling.max_new_tokens": 12,
+    "sampling.prompt_buckets": (16, 32),
+    # The FAP budget holds the longest FAP the task can produce, so none is cut
+    # (fbos_jax/rl/env.py:longest_fap_tokens; tests/test_fbos_evidence.py):
+    #   problem "sort " + 10 digits + "="                          16 chars
+    #   response: 12 tokens of at most 5 chars (the token "</EF>")  60 chars
+    #   compact feedback on a 60-char response (tasks.py bound)    572 chars
+    #   FAP "{prompt}{response}|{feedback}|": 16 + 60 + 572 + 2 =  650 tokens
+    # (character tokenizer: one token per character). With one-character
+    # tokens the same sum is 16 + 12 + 140 + 2 = 170. Real FAPs after the warm
+    # start: median ~41, 99th percentile ~118 tokens. The buckets keep the common
+    # step at 128 (a FAP round samples and trains at its longest FAP's bucket);
+    # 256 and 384 serve GOLF's aggregated prompts (all failed attempts of q).
+    "sampling.fap_prompt_buckets": (128, 176, 256, 384, 656),
+    "templates.max_prompt_tokens": 656,
+    "sampling.batch_buckets": (8, 16, 64, 128),  # prompts per sampler call: few programs
+    "verifier.workers": 2, "verifier.timeout_s": 5.0,
+    "rl.prompts_per_step": 16, "rl.group_size": 8, "rl.round2_size": 8,
+    "rl.epa_max_per_prompt": 8,
+    "rl.fixed_row_buckets": True,  # compiles cost more than padded rows at this size
+    # Adam's step (about lr per coordinate) must stay inside the small region
+    # where the policy-gradient loss still falls: 3e-4 already lowered the reward.
+    "optim.learning_rate": 1e-4, "optim.schedule": "cosine", "optim.warmup_steps": 5,
+    "optim.weight_decay": 0.0,
+    "train.steps": 100,  # the T=1 accuracy still climbs at 60 (README, "The tiny run")
+    "train.eval_every": 10,
+    "train.eval_prompts": 256,  # standard error of one greedy eval about 0.03
+    "train.eval_k": 4,  # also pass@1 at temperature 1 (mean of 4) and pass@4
+    "train.checkpoint_every": 10,
+    "train.warm_start": "sft",
+    "sft.steps": 100,  # partial competence: the model sorts short lists, not long ones
+    "sft.batch_size": 64, "sft.learning_rate": 2e-3,
+    "sft.fap_fraction": 0.25,  # the same warm start serves every algorithm
+    # corrections from the model's own failures in the second half (sft.py):
+    # one-character corruptions left round 2 fixing ~10% of real FAPs
+    "sft.corrections": "self",
+}
+
 VARIANTS = {
     # A ~0.4M-parameter Qwen3 that trains on a 2-core CPU in minutes; its vocab
     # covers the character tokenizer built by fbos_jax/tokenizer.py.
-    "tiny": dict(
-        model=dict(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=384,
-                   num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
-                   rope_theta=10_000.0, rms_norm_eps=1e-6, tie_embeddings=True,
-                   param_dtype="float32", compute_dtype="float32", remat="none"),
-        mesh=dict(dcn=1, data=-1, fsdp=1, tensor=1),
-        run={
-            # "sort 4701=" -> "0147"; feedback names misplaced/missing items. Lists
-            # of 4-10 digits: one shared skill with a held-out split of distinct
-            # problems at every length. After the warm start the greedy answer is
-            # right on 56-73% of them but a T=1 sample only on 26-33%, so most
-            # groups have mixed rewards and RL has a policy to sharpen.
-            "data.source": "procedural", "data.task": "sort",
-            "data.difficulty": 4, "data.max_difficulty": 10,
-            "sampling.max_new_tokens": 12,
-            "sampling.prompt_buckets": (16, 32),
-            "sampling.fap_prompt_buckets": (64, 128),
-            "sampling.batch_buckets": (8, 16, 64, 128),  # prompts per sampler call: few programs
-            "templates.max_prompt_tokens": 128,  # FAP / aggregated / FCP prompts fit the largest bucket
-            "verifier.workers": 2, "verifier.timeout_s": 5.0,
-            "rl.prompts_per_step": 16, "rl.group_size": 8, "rl.round2_size": 8,
-            "rl.epa_max_per_prompt": 8,
-            "rl.fixed_row_buckets": True,  # compiles cost more than padded rows at this size
-            # Adam's step (about lr per coordinate) must stay inside the small region
-            # where the policy-gradient loss still falls: 3e-4 already lowered the reward.
-            "optim.learning_rate": 1e-4, "optim.schedule": "cosine", "optim.warmup_steps": 5,
-            "optim.weight_decay": 0.0,
-            "train.steps": 100,  # the T=1 accuracy still climbs at 60 (README, "The tiny run")
-            "train.eval_every": 10,
-            "train.eval_prompts": 256,  # standard error of one greedy eval about 0.03
-            "train.eval_k": 4,  # also pass@1 at temperature 1 (mean of 4) and pass@4
-            "train.checkpoint_every": 10,
-            "train.warm_start": "sft",
-            "sft.steps": 100,  # partial competence: the model sorts short lists, not long ones
-            "sft.batch_size": 64, "sft.learning_rate": 2e-3,
-            "sft.fap_fraction": 0.25,  # the same warm start serves every algorithm
-        }),
+    "tiny": dict(model=_TINY_MODEL, mesh=dict(dcn=1, data=-1, fsdp=1, tensor=1), run=_TINY_RUN),
+    # The regime where feedback should matter (issue 16): the same model and warm
+    # start recipe on longer lists, 11-16 digits, so that after the warm start many
+    # groups have no correct sample (plain GRPO then learns nothing from them).
+    "tiny_hard": dict(
+        model=_TINY_MODEL, mesh=dict(dcn=1, data=-1, fsdp=1, tensor=1),
+        run=dict(_TINY_RUN, **{
+            "data.difficulty": 11, "data.max_difficulty": 16,
+            "sampling.max_new_tokens": 18,  # 16 items + EOS, one spare
+            "sampling.prompt_buckets": (32,),
+            # the longest FAP (as for tiny): problem 22 + response 18 x 5 = 90 + compact
+            # feedback on it 842 + 2 = 956 tokens; 236 with one-character tokens
+            "sampling.fap_prompt_buckets": (128, 256, 384, 512, 960),
+            "templates.max_prompt_tokens": 960,
+        })),
     # Qwen/Qwen3-0.6B on a v5e-8 (16 GiB chips): FSDP over the 8 chips.
     "qwen3_0_6b": dict(
         model=dict(model_type="qwen3", vocab_size=151_936, hidden_size=1024,
@@ -82,14 +116,20 @@ VARIANTS = {
                    tie_embeddings=True, param_dtype="bfloat16", compute_dtype="bfloat16",
                    remat="dots_no_batch"),
         mesh=dict(dcn=1, data=1, fsdp=-1, tensor=1),
-        # micro_batches: the fewest at which the update fits (--dry_run --topology=v5e:2x4)
-        run=dict(_LARGE_RUN, **{"rl.micro_batches": 4})),
+        run=dict(_LARGE_RUN, **{
+            # the fewest micro-batches at which the update fits on 8 v5e chips (16 GiB):
+            # --dry_run --topology=v5e:2x4 --fit_micro_batches (32: 16.0 GiB, too much)
+            "rl.micro_batches": 64,
+            # 16 prompts per sampler call: round 1 (x 8 samples, 2,560 cache slots) at
+            # 32 prompts or more needs more than a v5e's HBM (--dry_run --topology=v5e:2x4)
+            "sampling.batch_buckets": (4, 8, 16),
+        })),
     # Qwen/Qwen3-8B (untied embeddings, 8,190,735,360 parameters) on a v5p pod
     # slice: FSDP over the slice, 4-way tensor parallel inside a host.
     "qwen_8b": dict(
         model=_QWEN3_8B, mesh=dict(dcn=1, data=1, fsdp=-1, tensor=4),
         run=dict(_LARGE_RUN, **{
-            "rl.micro_batches": 16,  # the fewest that fit on v5p:2x4x4 (--dry_run --topology)
+            "rl.micro_batches": 4,  # the fewest that fit on v5p:2x4x4 (--dry_run --topology=... --fit_micro_batches)
             # round 2 samples P*m = 512 FAP rows; all at once they need more than a
             # v5p's HBM, so the sampler takes them in chunks of 256 prompts
             "sampling.batch_buckets": (8, 16, 32, 64, 128, 256),
@@ -104,8 +144,39 @@ VARIANTS = {
             "sampling.fap_prompt_buckets": (2048, 4096, 8192, 10_240),
             "templates.max_prompt_tokens": 10_240,
             "sampling.batch_buckets": (8, 16, 32, 64, 128),
-            "rl.micro_batches": 128,  # the fewest that fit on v5p:2x4x4
+            "rl.micro_batches": 8,  # the fewest that fit on v5p:2x4x4 (--fit_micro_batches)
         })),
+    # The real-user path at CPU size: a Qwen3 checkpoint directory (the real-shape
+    # fixture of fbos_jax/testing/qwen_fixture.py, or any --init_from_hf=DIR: its
+    # config.json sets the architecture), its BPE tokenizer and chat template, the
+    # arithmetic word problems with math-verify, verbose FAPs, bf16, a short SFT
+    # warm start on the gold solutions, 3 FBOS steps.
+    "qwen3_smoke": dict(
+        model=dict(model_type="qwen3", vocab_size=151_936, hidden_size=256, intermediate_size=768,
+                   num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128,
+                   rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_embeddings=True,
+                   param_dtype="bfloat16", compute_dtype="bfloat16", remat="none"),
+        mesh=dict(dcn=1, data=-1, fsdp=1, tensor=1),
+        run={
+            "data.source": "jsonl", "data.verifier": "math",
+            "data.path": "fbos_jax/datasets/arith_word/train.jsonl",
+            "data.eval_path": "fbos_jax/datasets/arith_word/test.jsonl",
+            "data.solution_field": "solution",  # worked solutions ending in #### n or \\boxed{n}
+            "templates.style": "verbose",
+            "templates.system_prompt": "Solve the problem. Put the final answer in \\boxed{}.",
+            "templates.max_prompt_tokens": 512,
+            "sampling.max_new_tokens": 64,
+            "sampling.prompt_buckets": (128,),
+            "sampling.fap_prompt_buckets": (256, 512),
+            "sampling.batch_buckets": (4, 8, 16),
+            "rl.prompts_per_step": 4, "rl.group_size": 4, "rl.round2_size": 4,
+            "rl.epa_max_per_prompt": 4,
+            "optim.learning_rate": 1e-5, "optim.warmup_steps": 0,
+            "train.steps": 3, "train.eval_every": 3, "train.eval_prompts": 8,
+            "train.checkpoint_every": 3,
+            "train.warm_start": "sft", "sft.steps": 4, "sft.batch_size": 8,
+            "sft.learning_rate": 1e-4, "sft.warmup_steps": 1, "sft.fap_fraction": 0.25,
+        }),
     # Qwen3-8B on 8xH100 nodes: tensor parallel inside the node (NVLink), data
     # parallel across nodes (dcn). Its memory plan is an estimate (README).
     "qwen_8b_h100": dict(
@@ -130,6 +201,10 @@ SHARDING_RULES = [
 
 # Flavors every algorithm file accepts (``:tiny,decoupled``).
 COMMON_FLAVORS = ("decoupled",)
+
+# Variants whose algorithm files keep the rollouts per step equal (an algorithm
+# with a second round or a larger group samples half the prompts).
+EQUAL_ROLLOUT_VARIANTS = ("tiny", "tiny_hard")
 
 
 def _defaults(variant: str) -> mlc.ConfigDict:
@@ -170,6 +245,7 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.data.num_epochs = 0  # 0 = repeat forever
   c.data.prompt_field = "prompt"
   c.data.answer_field = "answer"
+  c.data.solution_field = ""  # SFT demonstrations: this field of a record (else the answer)
   c.data.id_field = "id"
   c.data.max_prompt_chars = 0  # 0 = no limit
   c.data.max_prompt_tokens = 0  # >0: prompts longer than this (tokens) are handled per over_long
@@ -299,6 +375,11 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.sft.warmup_steps = 20
   c.sft.schedule = "cosine"  # cosine (to 0.1 x lr) | constant
   c.sft.fap_fraction = 0.0  # share of correction demos on FAPs (teaches the FAP format)
+  # where a correction's wrong attempt comes from: corrupt (one changed character
+  # of the solution) | self (the model's own failed samples, fbos_jax/rl/sft.py)
+  c.sft.corrections = "corrupt"
+  c.sft.self_corrections_from = 0.5  # self: share of sft.steps before own samples are used
+  c.sft.self_samples = 4  # self: samples per correction example to find a failure
   c.sft.conditional = False  # FCP offline stage: train on <EF>c</EF>q -> o (c = feedback)
   return c
 

@@ -8,12 +8,29 @@ off-policy samples, f(u)=u/(u+lambda)) and ECC (PPO on the FAPs).
   python launch/train.py --config=configs/fbos.py:tiny --workdir=/tmp/fbos_tiny
   python launch/train.py --config=configs/fbos.py:qwen_8b --dry_run --topology=v5p:2x4x4
   python launch/train.py --config=configs/fbos.py:tiny,epa_only --workdir=...   # ablation
+
+Flavors (ablation arms; launch/compare.py --ablations runs them side by side):
+
+  epa_only      rl.terms.ecc.weight=0 (no ECC term)
+  ecc_only      rl.terms.epa.weight=0 (no EPA term)
+  behaviour     rl.offpolicy_ratio_denominator=behaviour (u = pi_theta / pi_old(.|FAP))
+  aggregated    rl.fap_mode=aggregated (GOLF's one prompt over the failed attempts)
+  adaptive_one  rl.epa_trigger=adaptive, rl.epa_max_per_prompt=1 (inject one
+                feedback-guided sample, only where round 1 has no success: GOLF's rule)
+  ecc_quarter   rl.terms.ecc.weight=0.25
+  alternate     rl.objective_schedule=alternate (EPA on even steps, ECC on odd)
+  fap_all       rl.fap_from=all (FAPs from every round-1 rollout, not only failures)
+  prompts16     the variant's prompts per step (16 on tiny) instead of half: twice the
+                rollouts per step, so compare it at equal steps, not equal rollouts
 """
 from configs import base
 
+FLAVORS = ("epa_only", "ecc_only", "behaviour", "aggregated", "adaptive_one", "ecc_quarter",
+           "alternate", "fap_all", "prompts16")
+
 
 def get_config(arg="tiny"):
-  c, flavors = base.get_config_for(arg, ("epa_only", "ecc_only", "behaviour", "aggregated"))
+  c, flavors = base.get_config_for(arg, FLAVORS)
   c.algo = "fbos"
   c.rl.round2 = True  # feedback-guided exploration
   c.rl.fap_from = "failed"
@@ -28,7 +45,7 @@ def get_config(arg="tiny"):
   c.rl.offpolicy_lambda = 0.1
   c.rl.offpolicy_ratio_denominator = "one"
   # n + m rollouts per prompt: half the prompts of GRPO for the same rollouts per step
-  if c.variant == "tiny":  # the comparisons run at equal rollouts per step
+  if c.variant in base.EQUAL_ROLLOUT_VARIANTS and "prompts16" not in flavors:
     c.rl.prompts_per_step = c.rl.prompts_per_step // 2
   if "epa_only" in flavors:
     c.rl.terms.ecc.weight = 0.0
@@ -38,4 +55,13 @@ def get_config(arg="tiny"):
     c.rl.offpolicy_ratio_denominator = "behaviour"
   if "aggregated" in flavors:
     c.rl.fap_mode = "aggregated"
+  if "adaptive_one" in flavors:
+    c.rl.epa_trigger = "adaptive"  # tau = rl.epa_tau (-1: 1/n, i.e. no round-1 success)
+    c.rl.epa_max_per_prompt = 1
+  if "ecc_quarter" in flavors:
+    c.rl.terms.ecc.weight = 0.25
+  if "alternate" in flavors:
+    c.rl.objective_schedule = "alternate"
+  if "fap_all" in flavors:
+    c.rl.fap_from = "all"
   return base.apply_common_flavors(c, flavors)

@@ -6,6 +6,17 @@ character tokenizer can learn at the easy levels, while the hard levels stay
 beyond it. Every family also knows how to check a response and say **what is
 wrong and where**, without revealing the reference answer.
 
+Feedback comes in two wordings (``style``): ``"prose"`` (the default, one
+sentence per located error) and ``"compact"`` (the same facts, one short line
+per kind of error, e.g. ``"extra: 9(9) 10(9); missing 2; order breaks at 7"``
+instead of four sentences). They differ only for ``sort``, whose prose
+feedback grows by about 47 characters per extra item: a feedback-augmented
+prompt then needs far more tokens than the problem and the answer together
+(median 76, 99th percentile 436 tokens on the tiny sorting task after its warm
+start, against 41 and 118 in the compact wording).
+:func:`longest_feedback_chars` and :func:`longest_prompt_chars` bound what a
+family can emit, so a prompt budget can be sized to hold every FAP whole.
+
 Families (``difficulty`` meaning in brackets):
   * ``arithmetic`` [digits per operand]: ``"12+45="`` -> ``"57"``.
   * ``sort`` [list length, >= 2]: ``"sort 5291="`` -> ``"1259"`` (ascending
@@ -61,6 +72,9 @@ class Check:
   info: dict = dataclasses.field(default_factory=dict)
 
 
+FEEDBACK_STYLES = ("prose", "compact")
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskFamily:
   """A procedural task family.
@@ -69,14 +83,31 @@ class TaskFamily:
     name: the ``example["task"]`` value.
     min_difficulty / max_difficulty: the valid difficulty range.
     generate: ``(rng, difficulty) -> dict`` with at least prompt and answer.
-    check: ``(example, response_text) -> Check``.
+    check: ``(example, response_text, style) -> Check``.
+    prompt_chars: ``difficulty -> int``, the longest prompt (characters) at
+      that difficulty.
+    feedback_chars: ``(max_difficulty, response_chars, style) -> int``, an upper
+      bound on the characters of the feedback lines of any response of at most
+      ``response_chars`` characters to a problem of difficulty at most
+      ``max_difficulty``, joined by ``"; "``.
+    answer_chars: ``difficulty -> int``, the longest reference answer.
   """
 
   name: str
   min_difficulty: int
   max_difficulty: int
   generate: Callable[[random.Random, int], dict]
-  check: Callable[[Mapping[str, Any], str], Check]
+  check: Callable[[Mapping[str, Any], str, str], Check]
+  prompt_chars: Callable[[int], int]
+  feedback_chars: Callable[[int, int, str], int]
+  answer_chars: Callable[[int], int]
+
+
+def _positions_chars(first: int, last: int, sep: int) -> int:
+  """Characters of the positions first..last written out, ``sep`` between two."""
+  if last < first:
+    return 0
+  return sum(len(str(j)) for j in range(first, last + 1)) + sep * (last - first)
 
 
 def _join_positions(positions: Sequence[int]) -> str:
@@ -98,12 +129,25 @@ def _gen_arithmetic(rng: random.Random, d: int) -> dict:
   return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
-def _check_arithmetic(example: Mapping[str, Any], response: str) -> Check:
+def _arithmetic_feedback_chars(d: int, length: int, style: str) -> int:
+  """Bound of :func:`_check_arithmetic`'s feedback (one wording for both styles):
+  a length line and the wrong digit positions (the answer has <= d + 1 digits)."""
+  del style
+  k = min(length, d + 1)
+  fixed = max(len("the response is empty"), len("the answer is not a number"))
+  digits = (len(f"the answer has {length} digits, expected {d + 1}") + 2
+            + len("digits  from the right are wrong") + _positions_chars(1, k, 2) + 3)
+  return max(fixed, digits)
+
+
+def _check_arithmetic(example: Mapping[str, Any], response: str,
+                      style: str = "prose") -> Check:
   """Feedback: number format, digit count, and wrong digit positions.
 
   Digit positions count from the right (units digit = 1), so they stay
-  meaningful when the answer has the wrong length.
+  meaningful when the answer has the wrong length. One wording for both styles.
   """
+  del style
   ans, r = str(example["answer"]), response.strip()
   if not r:
     return Check(False, 0.0, ("the response is empty",))
@@ -133,11 +177,14 @@ def _gen_sort(rng: random.Random, d: int) -> dict:
           "items": items}
 
 
-def _check_sort(example: Mapping[str, Any], response: str) -> Check:
-  """Feedback: items not in the input, missing items, order breaks.
+def _check_sort(example: Mapping[str, Any], response: str,
+                style: str = "prose") -> Check:
+  """Feedback: items not in the input, extra copies, missing items, order breaks.
 
   Item positions are 1-based positions in the response (after dropping spaces
-  and commas).
+  and commas). ``prose``: one sentence per misplaced item ("item 3 (2) appears
+  more times than in the input"); ``compact``: one line per kind ("not in
+  input: 4(7) 6(x)", "extra: 3(2)", "missing 2", "order breaks at 4 5").
   """
   ans = str(example["answer"])
   want = collections.Counter(ans)
@@ -146,27 +193,63 @@ def _check_sort(example: Mapping[str, Any], response: str) -> Check:
     return Check(False, 0.0, ("the response is empty",))
   if r == ans:
     return Check(True, 1.0, ())
-  errors, bad = [], 0
+  errors, not_in, extra = [], [], []
   seen: collections.Counter = collections.Counter()
   for j, c in enumerate(r, start=1):
     seen[c] += 1
     if c not in want:
-      errors.append(f"item {j} ({c}) is not in the input")
-      bad += 1
+      not_in.append(f"{j}({c})")
+      if style == "prose":
+        errors.append(f"item {j} ({c}) is not in the input")
     elif seen[c] > want[c]:
-      errors.append(f"item {j} ({c}) appears more times than in the input")
-      bad += 1
+      extra.append(f"{j}({c})")
+      if style == "prose":
+        errors.append(f"item {j} ({c}) appears more times than in the input")
+  if style == "compact":
+    if not_in:
+      errors.append("not in input: " + " ".join(not_in))
+    if extra:
+      errors.append("extra: " + " ".join(extra))
+  bad = len(not_in) + len(extra)
   missing = sum((want - collections.Counter(r)).values())
-  if missing:
-    errors.append(f"the list is missing {_plural(missing, 'item')}")
   breaks = [j for j in range(2, len(r) + 1) if r[j - 1] < r[j - 2]]
-  if breaks:
-    noun, verb = ("item", "breaks") if len(breaks) == 1 else ("items", "break")
-    errors.append(f"{noun} {_join_positions(breaks)} {verb} the ascending order")
+  if style == "compact":
+    if missing:
+      errors.append(f"missing {missing}")
+    if breaks:
+      errors.append("order breaks at " + " ".join(map(str, breaks)))
+  else:
+    if missing:
+      errors.append(f"the list is missing {_plural(missing, 'item')}")
+    if breaks:
+      noun, verb = ("item", "breaks") if len(breaks) == 1 else ("items", "break")
+      errors.append(f"{noun} {_join_positions(breaks)} {verb} the ascending order")
   if not errors:  # unreachable for single-char items; kept as a safe default
     errors.append("the list is wrong")
   score = max(0.0, 1.0 - (bad + missing + len(breaks)) / max(len(ans), len(r)))
   return Check(False, score, tuple(errors))
+
+
+def _sort_feedback_chars(d: int, length: int, style: str) -> int:
+  """Bound of :func:`_check_sort`'s feedback for a response of ``length``
+  characters (each item one character) to a list of at most ``d`` items.
+
+  Every response position is at most one not-in-input or extra entry; the
+  missing count is at most ``d``; order breaks are at positions 2..length."""
+  empty = len("the response is empty")
+  if length < 1:
+    return empty
+  if style == "compact":
+    items = (len("not in input: ") + len("extra: ") + _positions_chars(1, length, 1)
+             + 3 * length + 1)  # "j(c)" each, one space between, one more split
+    missing = len(f"missing {d}")
+    breaks = len("order breaks at ") + _positions_chars(2, length, 1)
+    return max(empty, items + missing + breaks + 2 * 3)
+  items = sum(len(f"item {j} (c) appears more times than in the input") + 2
+              for j in range(1, length + 1))  # the longer sentence, "; " after each
+  missing = len(f"the list is missing {d} items") + 2
+  breaks = len("items  break the ascending order") + _positions_chars(2, length, 2) + 3
+  return max(empty, items + missing + breaks, len("the list is wrong"))
 
 
 # ----------------------------------------------------------------- countdown
@@ -219,8 +302,29 @@ def _eval_countdown(node: ast.AST, used: list[int]) -> int:
   raise _BadExpression("other")
 
 
-def _check_countdown(example: Mapping[str, Any], response: str) -> Check:
-  """Feedback: syntax, allowed operators, number usage, and the value."""
+def _countdown_feedback_chars(d: int, length: int, style: str) -> int:
+  """A loose bound of :func:`_check_countdown`'s feedback (one wording): the
+  bad-character line, or one line per distinct literal (at most (length+1)/2,
+  their digits at most ``length``), one per given number, and the value line
+  (a + - * expression of ``length`` characters has at most ``length + 1``
+  characters of value, sign included)."""
+  del style
+  # up to three reprs of a bad character (at most 12 characters each: '\U000e0001')
+  bad_chars = len("the expression may only use digits, + - * and parentheses, found ") + 3 * 12 + 2
+  literals = (length + 1) // 2
+  times = max(len("three times"), len(f"{length} times"))
+  per_line = len("the expression uses , but it is given ") + 2 * times + 2  # + "; "
+  valid = (literals * per_line + length  # the literals' digits: at most length in all
+           + d * (per_line + 1)  # the given numbers are single digits
+           + len("the expression equals , not 999") + length + 1)
+  return max(bad_chars, len("the expression is too long"), valid)
+
+
+def _check_countdown(example: Mapping[str, Any], response: str,
+                     style: str = "prose") -> Check:
+  """Feedback: syntax, allowed operators, number usage, and the value (one
+  wording for both styles)."""
+  del style
   r = response.strip()
   nums = collections.Counter(int(n) for n in example["numbers"])
   target = int(example["target"])
@@ -265,9 +369,15 @@ def _check_countdown(example: Mapping[str, Any], response: str) -> Check:
 FAMILIES: dict[str, TaskFamily] = {
     f.name: f
     for f in (
-        TaskFamily("arithmetic", 1, 12, _gen_arithmetic, _check_arithmetic),
-        TaskFamily("sort", 2, 30, _gen_sort, _check_sort),
-        TaskFamily("countdown", 2, 6, _gen_countdown, _check_countdown),
+        TaskFamily("arithmetic", 1, 12, _gen_arithmetic, _check_arithmetic,
+                   prompt_chars=lambda d: 2 * d + 2, feedback_chars=_arithmetic_feedback_chars,
+                   answer_chars=lambda d: d + 1),
+        TaskFamily("sort", 2, 30, _gen_sort, _check_sort,
+                   prompt_chars=lambda d: len("sort =") + d, feedback_chars=_sort_feedback_chars,
+                   answer_chars=lambda d: d),
+        TaskFamily("countdown", 2, 6, _gen_countdown, _check_countdown,
+                   prompt_chars=lambda d: len("use  make 999=") + 2 * d - 1,
+                   feedback_chars=_countdown_feedback_chars, answer_chars=lambda d: 2 * d - 1),
     )
 }
 
@@ -342,9 +452,42 @@ def solve(example: Mapping[str, Any]) -> str:
   return str(example["answer"])
 
 
-def check(example: Mapping[str, Any], response: str) -> Check:
-  """Checks ``response`` against a procedural example of any family."""
-  return get_family(example["task"]).check(example, response)
+def check(example: Mapping[str, Any], response: str, style: str = "prose") -> Check:
+  """Checks ``response`` against a procedural example of any family; ``style``
+  picks the feedback wording (``FEEDBACK_STYLES``)."""
+  if style not in FEEDBACK_STYLES:
+    raise ValueError(f"feedback style {style!r}; expected one of {FEEDBACK_STYLES}")
+  return get_family(example["task"]).check(example, response, style)
+
+
+def _families(task: str | Sequence[str]) -> list[TaskFamily]:
+  names = [t.strip() for t in task.split(",") if t.strip()] if isinstance(task, str) else task
+  return [get_family(t) for t in names]
+
+
+def longest_prompt_chars(task: str | Sequence[str], max_difficulty: int) -> int:
+  """The longest prompt (characters) of the families ``task`` (a name or a
+  comma list, as ``data.task``) up to ``max_difficulty``."""
+  return max(f.prompt_chars(max_difficulty) for f in _families(task))
+
+
+def longest_feedback_chars(task: str | Sequence[str], max_difficulty: int,
+                           response_chars: int, *, style: str = "prose",
+                           reveals_answer: bool = False) -> int:
+  """An upper bound on the feedback (characters) the procedural verifier can
+  write for any response of at most ``response_chars`` characters to a problem
+  of the families ``task`` up to ``max_difficulty``: the longest prompt of a
+  feedback-augmented prompt budget (``fbos_jax.rl.env.longest_fap_tokens``).
+  ``reveals_answer``: ``data.feedback_reveals_answer`` appends the answer."""
+  if style not in FEEDBACK_STYLES:
+    raise ValueError(f"feedback style {style!r}; expected one of {FEEDBACK_STYLES}")
+  out = 0
+  for f in _families(task):
+    n = f.feedback_chars(max_difficulty, response_chars, style)
+    if reveals_answer:
+      n += len("; the correct answer is ") + f.answer_chars(max_difficulty)
+    out = max(out, n)
+  return out
 
 
 class ProceduralSource:

@@ -30,6 +30,10 @@ cut):
 4. If the problem and the fixed template text alone exceed the budget,
    ``PromptTooLongError`` is raised.
 
+:meth:`PromptBuilder.longest_tokens` bounds a prompt kind's length from the
+longest pieces a task can produce, so a budget can be sized to cut nothing
+(``fbos_jax.rl.env.longest_fap_tokens``).
+
 The aggregated (GOLF) prompt adds failed attempts **shortest response first**,
 greedily: an attempt whose block does not fit is skipped and the next one is
 tried. If no attempt fits whole, the shortest one is included, cut by the
@@ -264,6 +268,41 @@ class PromptBuilder:
         f"the problem and template alone exceed max_prompt_tokens="
         f"{self.max_prompt_tokens}: "
         f"{len(self.encode(render(no_response, '')))} tokens")
+
+  # -- budget bound --------------------------------------------------------
+
+  SCORE_CHARS = len("-0.333333")  # the widest "{score}" of an aggregated attempt
+
+  def longest_tokens(self, kind: str, *, prompt_chars: int, response_chars: int,
+                     feedback_chars: int) -> int:
+    """The most tokens a prompt of ``kind`` ("fap", "aggregated" with one
+    attempt, "fcp") can have when its problem, response and feedback have at
+    most these many characters: the template's own tokens (rendered with empty
+    fields, chat template and BOS included) plus one token per character.
+
+    Exact for the character tokenizer (one token per character; an added token
+    such as ``<EF>`` spans several). For a BPE tokenizer on ASCII text each token
+    covers at least one character, so this is an upper bound up to the merges
+    at the joins between the template text and the fields.
+    """
+    if kind == "fap":
+      fixed = self.fap_template.format(prompt="", response="", feedback="")
+      chars = prompt_chars + response_chars + feedback_chars
+    elif kind == "aggregated":
+      fixed = (self.agg_header.format(prompt="")
+               + self.agg_attempt.format(index=1, score="", response="", feedback="")
+               + self.agg_footer.format(prompt=""))
+      chars = prompt_chars + response_chars + feedback_chars
+      if "{score}" in self.agg_attempt:
+        chars += self.SCORE_CHARS
+      if "{prompt}" in self.agg_footer:
+        chars += prompt_chars
+    elif kind == "fcp":
+      fixed = self.fcp_template.format(prompt="", feedback="")
+      chars = prompt_chars + feedback_chars
+    else:
+      raise ValueError(f"prompt kind {kind!r}; expected fap | aggregated | fcp")
+    return len(self.encode(fixed)) + chars
 
   # -- prompt kinds --------------------------------------------------------
 

@@ -1,47 +1,116 @@
-r"""Side-by-side comparison of the algorithms at small scale, with ablations.
+r"""Side-by-side comparison of the algorithms at small scale, and FBOS ablations.
 
   python launch/compare.py --algos=grpo,golf,gfpo,fbos --seeds=3 --workdir=/tmp/cmp
   python launch/compare.py --quick --workdir=/tmp/cmp_quick        # smoke test (~minutes)
-  python launch/compare.py --ablations --seeds=3 --workdir=/tmp/abl  # FBOS ablations
+  # the pre-registered FBOS ablation (issue 16), GRPO as the reference:
+  python launch/compare.py --ablations --seeds=3 --workdir=/tmp/abl --note="alone on the machine"
+  # the regime where feedback should matter (most groups all-fail after the warm start):
+  python launch/compare.py --variant=tiny_hard --algos=grpo,golf,fbos --seeds=3 --workdir=/tmp/hard
+  python launch/compare.py --arms=fbos,fbos_alternate --seeds=1 --workdir=/tmp/two  # any arms
+  python launch/compare.py --resummarize --workdir=/tmp/abl   # rebuild table + PNG from compare.json
 
-Every run starts from the same warm-started (SFT) checkpoint, trained once and
-cached in WORKDIR/sft, and sees the same prompt order for a given seed. Runs are
-held to the same number of *generated rollouts* (FBOS's round 2 and GOLF's
-refinements count against the budget); curves are also reported per update step.
+Every arm is a named entry of :data:`ARMS` (config file, flavors, stopping rule);
+:data:`ABLATIONS` is the pre-registered list, and every arm that ran is reported,
+whatever it shows. For each seed one warm start (SFT) is trained and cached in
+WORKDIR/sft_s{seed} (``--shared_warm_start``: one, seed 0, in WORKDIR/sft) and
+every arm of that seed starts from it and sees the same prompt order. Arms stop
+at the same number of *generated rollouts* (round 2 and GOLF's refinements
+count), except arms marked ``steps``, which stop at the number of steps the
+GRPO reference takes for the budget (equal steps, not equal rollouts; every
+output labels them so).
 
-Writes WORKDIR/compare.png, WORKDIR/compare.json and WORKDIR/compare.md.
+After each warm start, ``--probe_batches`` batches are sampled without training
+(round 1 and a FAP round 2): round-1 success, all-fail and all-equal groups,
+FAP truncation and the fix rate per round-1 success bucket of the warm start.
+
+Writes WORKDIR/compare.json (every number, the command, the note), compare.md
+(the tables) and compare.png (the curves).
 """
 
 import _common  # noqa: F401
+import dataclasses
 import json
+import math
 import os
+import platform
+import shlex
+import sys
 import time
 
 import numpy as np
 from absl import app, flags, logging
 
 flags.DEFINE_string("workdir", None, "Output directory.")
+flags.DEFINE_string("variant", "tiny", "Config variant every arm runs (tiny | tiny_hard | ...).")
 flags.DEFINE_list("algos", ["grpo", "golf", "gfpo", "fbos"], "Config names to compare.")
-flags.DEFINE_integer("seeds", 3, "Seeds per algorithm.")
-flags.DEFINE_integer("budget", 0, "Generated rollouts per run (0 = the variant default).")
+flags.DEFINE_list("arms", [], "Arm labels of ARMS to run (overrides --algos / --ablations).")
+flags.DEFINE_integer("seeds", 3, "Seeds per arm.")
+flags.DEFINE_integer("budget", 0, "Generated rollouts per run (0 = 128 x train.steps of the variant).")
 flags.DEFINE_integer("eval_every", 0, "Evaluate every N steps (0 = default).")
 flags.DEFINE_bool("quick", False, "Tiny budget and model for a smoke test: checks the files, "
                   "not the results.")
-flags.DEFINE_bool("ablations", False, "Run FBOS ablations (EPA only / ECC only / both, f(u) "
-                  "denominator one vs behaviour, FAP single vs aggregated) instead of --algos.")
+flags.DEFINE_bool("ablations", False, "Run the pre-registered FBOS ablation (ABLATIONS) "
+                  "instead of --algos.")
+flags.DEFINE_bool("shared_warm_start", False, "One warm start (seed 0) for every seed, instead "
+                  "of one per seed.")
+flags.DEFINE_integer("probe_batches", 10, "Batches sampled after each warm start to measure it "
+                 "(round-1 success, all-fail groups, fix rates); 0 = none.")
+flags.DEFINE_bool("probe_only", False, "Train and probe the warm starts, then stop.")
+flags.DEFINE_string("note", "", "What else shared the machine (written into every output).")
 flags.DEFINE_bool("resummarize", False, "Rebuild compare.md / compare.png / the table in "
                   "compare.json from the runs already in WORKDIR/compare.json (no training).")
 flags.DEFINE_string("task", "", "Override data.task (e.g. arithmetic).")
 flags.DEFINE_multi_string("set", [], "Extra overrides for every run, e.g. --set=rl.terms.ecc.weight=0.5")
 FLAGS = flags.FLAGS
 
-ABLATIONS = {
-    "fbos_epa_only": ("fbos", "tiny,epa_only"),
-    "fbos_ecc_only": ("fbos", "tiny,ecc_only"),
-    "fbos": ("fbos", "tiny"),
-    "fbos_behaviour": ("fbos", "tiny,behaviour"),
-    "fbos_aggregated": ("fbos", "tiny,aggregated"),
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """One arm: ``configs/{config}.py:{variant}{,flavors}``, stopped at equal
+  generated rollouts (``stop='rollouts'``) or at the reference's step count
+  (``stop='steps'``)."""
+  config: str
+  flavors: str = ""
+  stop: str = "rollouts"
+  what: str = ""
+
+
+ARMS = {
+    "grpo": Arm("grpo", what="GRPO (the reference)"),
+    "golf": Arm("golf", what="GOLF (aggregated feedback, adaptive injection)"),
+    "gfpo": Arm("gfpo", what="GFPO (shortest 8 of 16)"),
+    "fbos": Arm("fbos", what="FBOS default (EPA + ECC, append, always)"),
+    "fbos_epa_only": Arm("fbos", "epa_only", what="FBOS, EPA only (ECC weight 0)"),
+    "fbos_adaptive_one": Arm("fbos", "adaptive_one",
+                             what="FBOS, EPA adaptive trigger, 1 injection per prompt"),
+    "fbos_behaviour": Arm("fbos", "behaviour", what="FBOS, f(u) with u = pi / pi_old(.|FAP)"),
+    "fbos_ecc_quarter": Arm("fbos", "ecc_quarter", what="FBOS, ECC weight 0.25"),
+    "fbos_alternate": Arm("fbos", "alternate", what="FBOS, EPA and ECC on alternate steps"),
+    "fbos_fap_all": Arm("fbos", "fap_all", what="FBOS, FAPs from every round-1 rollout"),
+    "fbos_16p_equal_steps": Arm("fbos", "prompts16", stop="steps",
+                                what="FBOS, 16 prompts per step: EQUAL STEPS, ~2x rollouts"),
+    "fbos_ecc_only": Arm("fbos", "ecc_only", what="FBOS, ECC only (EPA weight 0)"),
+    "fbos_aggregated": Arm("fbos", "aggregated", what="FBOS with GOLF's aggregated FAP"),
 }
+
+# The pre-registered ablation of issue 16, in this order; every arm is reported.
+ABLATIONS = ("grpo", "fbos", "fbos_epa_only", "fbos_adaptive_one", "fbos_behaviour",
+             "fbos_ecc_quarter", "fbos_alternate", "fbos_fap_all", "fbos_16p_equal_steps")
+
+REFERENCE = "grpo"
+# round-1 successes of the group, as fbos_jax/rl/rollout.py:success_buckets names them
+# (n = 8); other group sizes take the names their runs logged
+FIX_BUCKETS = ("0", "1to3", "4plus")
+_ROWS = "feedback/fix_rows_r1succ_"
+
+
+def fix_buckets(rows_lists) -> tuple:
+  """The fix-rate buckets the runs logged, by their lowest success count."""
+  names = {k[len(_ROWS):] for rows in rows_lists for r in rows for k in r if k.startswith(_ROWS)}
+  if not names:
+    return FIX_BUCKETS
+  low = lambda b: int(b.split("to")[0].replace("plus", ""))
+  return tuple(sorted(names, key=low))
 
 
 def load_config(name, arg):
@@ -51,6 +120,10 @@ def load_config(name, arg):
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod.get_config(arg)
+
+
+def arm_config_arg(arm: Arm, variant: str) -> str:
+  return f"{variant},{arm.flavors}" if arm.flavors else variant
 
 
 def _set(c, key, value):
@@ -63,6 +136,8 @@ def _set(c, key, value):
     value = value in ("1", "true", "True", True)
   elif isinstance(cur, (int, float)) and not isinstance(value, (int, float)):
     value = type(cur)(value)
+  elif isinstance(cur, tuple) and isinstance(value, str):
+    value = tuple(int(x) for x in value.strip("()").split(",") if x.strip())
   obj[last] = value
 
 
@@ -85,10 +160,17 @@ def shared_setup(c, quick: bool):
   return c
 
 
-def run_one(label, name, arg, seed, sft_params, budget, eval_every, workdir, quick):
-  import jax
+def reference_steps(budget: int, variant: str, quick: bool) -> int:
+  """Steps the reference (GRPO) takes to generate ``budget`` rollouts: the
+  stopping point of the equal-steps arms."""
+  c = shared_setup(load_config(REFERENCE, variant), quick)
+  return int(math.ceil(budget / (c.rl.prompts_per_step * c.rl.group_size)))
+
+
+def run_one(label, arm: Arm, seed, sft_params, budget, max_steps, eval_every, workdir, quick,
+            variant="tiny"):
   from fbos_jax.rl.trainer import RLTrainer
-  c = shared_setup(load_config(name, arg), quick)
+  c = shared_setup(load_config(arm.config, arm_config_arg(arm, variant)), quick)
   c.seed = seed
   c.data.shuffle_seed = 0  # + seed inside the trainer: same order for every algo at a seed
   wd = os.path.join(workdir, "runs", f"{label}_s{seed}")
@@ -101,17 +183,19 @@ def run_one(label, name, arg, seed, sft_params, budget, eval_every, workdir, qui
   ev = tr.evaluate(state.params, evals, k=k, step=0)
   rows.append({"step": 0, "rollouts": 0, **ev})
   t0 = time.perf_counter()
-  while used < budget:
+  done = (lambda: step >= max_steps) if arm.stop == "steps" else (lambda: used >= budget)
+  while not done():
     state, m = tr.train_step(state, step)
     step += 1
     used += int(m["rollouts/generated"])
     row = {"step": step, "rollouts": used,
            **{k: v for k, v in m.items() if isinstance(v, (int, float))}}
-    if step % eval_every == 0 or used >= budget:
+    if step % eval_every == 0 or done():
       row.update(tr.evaluate(state.params, evals, k=k, step=step))
     rows.append(row)
   tr.close()
-  return {"label": label, "seed": seed, "rows": rows, "seconds": time.perf_counter() - t0}
+  return {"label": label, "seed": seed, "rows": rows, "seconds": time.perf_counter() - t0,
+          "stop": arm.stop, "config": f"configs/{arm.config}.py:{arm_config_arg(arm, variant)}"}
 
 
 def _final(rows, key):
@@ -119,9 +203,18 @@ def _final(rows, key):
   return vals[-1] if vals else float("nan")
 
 
-def _mean_over(rows, key):
+def _mean_over(rows, key, fallback=None):
   vals = [r[key] for r in rows if key in r and r["step"] > 0]
+  if not vals and fallback:
+    return _mean_over(rows, fallback)
   return float(np.mean(vals)) if vals else float("nan")
+
+
+def _pooled(rows, rate, count):
+  """A per-step rate pooled over steps, weighted by its per-step row count."""
+  num = sum(r[rate] * r.get(count, 0) for r in rows if rate in r and r["step"] > 0)
+  den = sum(r.get(count, 0) for r in rows if rate in r and r["step"] > 0)
+  return float(num / den) if den else float("nan")
 
 
 def rollouts_to_reach(rows, target):
@@ -145,46 +238,79 @@ def mean_accuracy_over_budget(rows, budget, key="eval/accuracy"):
   return float(np.mean(np.interp(grid, xs, ys)))
 
 
+def _stat(xs):
+  xs = np.asarray(xs, float)
+  if np.all(np.isnan(xs)):
+    return {"mean": float("nan"), "std": float("nan")}
+  return {"mean": float(np.nanmean(xs)), "std": float(np.nanstd(xs))}
+
+
 def summarize(results, sft_len, budget=None):
   labels = list(dict.fromkeys(r["label"] for r in results))
   by = {l: [r for r in results if r["label"] == l] for l in labels}
-  base = next((b for b in ("grpo", "fbos") if b in by), labels[0])  # the reference run
+  base = next((b for b in (REFERENCE, "fbos") if b in by), labels[0])  # the reference run
   base_final = float(np.mean([_final(r["rows"], "eval/accuracy") for r in by[base]]))
   base_len = float(np.mean([_mean_over(r["rows"], "response/length") for r in by[base]]))
+  buckets = fix_buckets([r["rows"] for r in results])
   table = {}
   for l, runs in by.items():
-    fin = [_final(r["rows"], "eval/accuracy") for r in runs]
-    fin_s = [_final(r["rows"], "eval/pass@1_sampled") for r in runs]
-    b = budget or max(r["rows"][-1]["rollouts"] for r in runs)
-    auc = [mean_accuracy_over_budget(r["rows"], b) for r in runs]
-    reach = [rollouts_to_reach(r["rows"], base_final) for r in runs]
+    rows_of = [r["rows"] for r in runs]
+    fin = [_final(r, "eval/accuracy") for r in rows_of]
+    fin_s = [_final(r, "eval/pass@1_sampled") for r in rows_of]
+    b = budget or max(r[-1]["rollouts"] for r in rows_of)
+    auc = [mean_accuracy_over_budget(r, b) for r in rows_of]
+    reach = [rollouts_to_reach(r, base_final) for r in rows_of]
     base_reach = [rollouts_to_reach(r["rows"], base_final) for r in by[base]]
-    ent = [_mean_over(r["rows"], "policy/entropy") for r in runs]
-    gn = [_mean_over(r["rows"], "policy/grad_norm") for r in runs]
-    ln = [_mean_over(r["rows"], "response/length") for r in runs]
-    zero = [_mean_over(r["rows"], "groups/all_equal_frac") for r in runs]
-    fix = [_mean_over(r["rows"], "feedback/fix_rate") for r in runs]
-    inj = [_mean_over(r["rows"], "epa/injected") for r in runs]
+    mean = lambda key, fb=None: [_mean_over(r, key, fb) for r in rows_of]
+    ln = mean("response/length")
     elr = float("nan")
     if base_len - sft_len != 0:
       elr = float((base_len - np.mean(ln)) / (base_len - sft_len))
     ratio = float(np.nanmean(base_reach) / np.nanmean(reach)) if np.isfinite(np.nanmean(reach)) \
         and not np.all(np.isnan(reach)) else float("nan")
-    stat = lambda xs: {"mean": float(np.nanmean(xs)) if not np.all(np.isnan(xs)) else float("nan"),
-                       "std": float(np.nanstd(xs)) if not np.all(np.isnan(xs)) else float("nan")}
-    table[l] = {"final_accuracy": stat(fin), "final_sampled_accuracy": stat(fin_s),
-                "mean_accuracy_over_budget": stat(auc), "rollouts_to_grpo_final": stat(reach),
-                "sample_efficiency_vs_grpo": ratio, "entropy": stat(ent), "grad_norm": stat(gn),
-                "response_length": stat(ln), "all_equal_groups": stat(zero),
-                "fix_rate": stat(fix), "injected_per_step": stat(inj),
-                "excess_length_reduction": elr,
-                "reached_grpo_final": int(np.sum(~np.isnan(reach))), "seeds": len(runs),
-                "reference": base}
+    t = {"final_accuracy": _stat(fin), "final_sampled_accuracy": _stat(fin_s),
+         "mean_accuracy_over_budget": _stat(auc), "rollouts_to_grpo_final": _stat(reach),
+         "sample_efficiency_vs_grpo": ratio,
+         "entropy": _stat(mean("policy/entropy")),
+         # the round-1 rows on q only (EPA's appended off-policy rows excluded);
+         # runs logged before the metric existed fall back to the batch entropy: n/a
+         "entropy_onpolicy": _stat(mean("policy/entropy_onpolicy")),
+         "grad_norm": _stat(mean("policy/grad_norm")),
+         "grad_norm_epa": _stat(mean("grad_norm/epa", "policy/grad_norm_epa")),
+         "grad_norm_ecc": _stat(mean("grad_norm/ecc", "policy/grad_norm_ecc")),
+         "response_length": _stat(ln), "all_equal_groups": _stat(mean("groups/all_equal_frac")),
+         "all_fail_groups": _stat(mean("groups/all_fail_frac")),
+         "fap_truncated": _stat(mean("fap/truncated_frac")),
+         "fix_rate": _stat(mean("feedback/fix_rate")),
+         "fix_rate_pooled": _stat([_pooled(r, "feedback/fix_rate", "feedback/fix_rows")
+                                   for r in rows_of]),
+         "resample_rate": _stat([_pooled(r, "feedback/resample_rate", "feedback/fix_rows")
+                                 for r in rows_of]),
+         "injected_per_step": _stat(mean("epa/injected")),
+         "excess_length_reduction": elr,
+         "reached_grpo_final": int(np.sum(~np.isnan(reach))), "seeds": len(runs),
+         "reference": base, "stop": runs[0].get("stop", "rollouts"),
+         "rollouts_used": _stat([r[-1]["rollouts"] for r in rows_of]),
+         "steps": _stat([r[-1]["step"] for r in rows_of]),
+         "seconds": _stat([r.get("seconds", float("nan")) for r in runs])}
+    t["fix_buckets"] = buckets
+    for bucket in buckets:
+      t[f"fix_rate_r1succ_{bucket}"] = _stat(
+          [_pooled(r, f"feedback/fix_rate_r1succ_{bucket}", f"feedback/fix_rows_r1succ_{bucket}")
+           for r in rows_of])
+    table[l] = t
   return table
 
 
+def _f(s, p=3):
+  return "n/a" if not np.isfinite(s["mean"]) else f"{s['mean']:.{p}f} ± {s['std']:.{p}f}"
+
+
+def _label(l, t):
+  return f"{l} (EQUAL STEPS)" if t.get("stop") == "steps" else l
+
+
 def markdown(table):
-  f = lambda s, p=3: ("n/a" if not np.isfinite(s["mean"]) else f"{s['mean']:.{p}f} ± {s['std']:.{p}f}")
   ref = next(iter(table.values()))["reference"] if table else "grpo"
   ref = "GRPO" if ref == "grpo" else ref
   lines = [f"| run | final acc (greedy) | final acc (T=1) | mean acc over budget | rollouts to {ref}'s final acc | sample eff. vs {ref} | entropy | grad norm | length | ELR | fix rate | all-equal groups |",
@@ -193,113 +319,280 @@ def markdown(table):
     eff = t["sample_efficiency_vs_grpo"]
     elr = t["excess_length_reduction"]
     lines.append(
-        f"| {l} | {f(t['final_accuracy'])} | {f(t['final_sampled_accuracy'])} "
-        f"| {f(t['mean_accuracy_over_budget'])} "
-        f"| {f(t['rollouts_to_grpo_final'], 0)} "
+        f"| {_label(l, t)} | {_f(t['final_accuracy'])} | {_f(t['final_sampled_accuracy'])} "
+        f"| {_f(t['mean_accuracy_over_budget'])} "
+        f"| {_f(t['rollouts_to_grpo_final'], 0)} "
         f"({t['reached_grpo_final']}/{t['seeds']}) | {'n/a' if not np.isfinite(eff) else f'{eff:.2f}x'} "
-        f"| {f(t['entropy'])} | {f(t['grad_norm'])} | {f(t['response_length'], 2)} "
-        f"| {'n/a' if not np.isfinite(elr) else f'{100 * elr:.0f}%'} | {f(t['fix_rate'])} "
-        f"| {f(t['all_equal_groups'])} |")
+        f"| {_f(t['entropy'])} | {_f(t['grad_norm'])} | {_f(t['response_length'], 2)} "
+        f"| {'n/a' if not np.isfinite(elr) else f'{100 * elr:.0f}%'} | {_f(t['fix_rate'])} "
+        f"| {_f(t['all_equal_groups'])} |")
   return "\n".join(lines)
 
 
-def plot(results, out_png):
+def diagnostics_markdown(table):
+  """The claims' diagnostics: on-policy entropy, per-term gradient norms, the fix
+  rate (pooled over steps' rows) next to the resample rate (the same rows'
+  prompts' round-1 success rate: what sampling q again gives) and per round-1
+  success bucket, all-fail groups, FAP cuts."""
+  buckets = next(iter(table.values())).get("fix_buckets", FIX_BUCKETS) if table else FIX_BUCKETS
+  zero = "".join(f" fix rate, r1 succ {b} |" for b in buckets)
+  lines = ["| run | stop | rollouts | steps | entropy (on-policy round 1) | entropy (batch) "
+           "| grad norm (total) | grad norm EPA | grad norm ECC | fix rate | resample rate |" + zero
+           + " all-fail groups | FAPs cut | injected/step | minutes |",
+           "|" + "---|" * (15 + len(buckets))]
+  for l, t in table.items():
+    fixes = "".join(f" {_f(t.get(f'fix_rate_r1succ_{b}', _stat([])))} |" for b in buckets)
+    sec = t.get("seconds", {"mean": float("nan"), "std": float("nan")})
+    lines.append(
+        f"| {_label(l, t)} | {'equal steps' if t.get('stop') == 'steps' else 'equal rollouts'} "
+        f"| {_f(t['rollouts_used'], 0)} | {_f(t['steps'], 0)} | {_f(t['entropy_onpolicy'])} "
+        f"| {_f(t['entropy'])} | {_f(t['grad_norm'])} | {_f(t['grad_norm_epa'])} "
+        f"| {_f(t['grad_norm_ecc'])} | {_f(t.get('fix_rate_pooled', t['fix_rate']))} "
+        f"| {_f(t.get('resample_rate', _stat([])))} |{fixes} {_f(t['all_fail_groups'])} "
+        f"| {_f(t['fap_truncated'])} | {_f(t['injected_per_step'], 1)} "
+        f"| {_f({k: v / 60 for k, v in sec.items()}, 1)} |")
+  return "\n".join(lines)
+
+
+def probe_markdown(probes: dict) -> str:
+  """The warm starts measured before any RL step (``--probe_batches``)."""
+  if not probes:
+    return ""
+  first = next(iter(probes.values()))
+  keys = (["reward/round1_solved", "groups/all_fail_frac", "groups/all_equal_frac",
+           "fap/truncated_frac", "fix_rate", "resample_rate"]
+          + [k for k in first if k.startswith("fix_rate_r1succ_")])
+  lines = ["| warm start | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+  for seed, p in sorted(probes.items()):
+    lines.append(f"| seed {seed} ({p.get('batches', '?')} batches) | "
+                 + " | ".join("n/a" if not np.isfinite(p.get(k, float("nan"))) else f"{p[k]:.3f}"
+                              for k in keys) + " |")
+  return "\n".join(lines)
+
+
+def _series(rows, key, fallback=None):
+  pts = [(r, r[key]) for r in rows if key in r]
+  if not pts and fallback:
+    pts = [(r, r[fallback]) for r in rows if fallback in r]
+  return pts
+
+
+def plot(results, out_png, title=""):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  panels = [("rollouts", "eval/accuracy", "held-out accuracy vs rollouts"),
-            ("rollouts", "eval/pass@1_sampled", "held-out accuracy (T=1, mean of k) vs rollouts"),
-            ("step", "eval/accuracy", "held-out accuracy vs update steps"),
-            ("rollouts", "reward/round1", "training reward (round 1)"),
-            ("rollouts", "policy/entropy", "policy entropy"),
-            ("rollouts", "policy/grad_norm", "gradient norm"),
-            ("rollouts", "response/length", "response length"),
-            ("rollouts", "groups/all_equal_frac", "all-equal (zero-signal) groups")]
-  fig, axes = plt.subplots(2, 4, figsize=(20, 8))
+  panels = [("rollouts", "eval/accuracy", None, "held-out accuracy (greedy) vs rollouts"),
+            ("rollouts", "eval/pass@1_sampled", None, "held-out accuracy (T=1, mean of k) vs rollouts"),
+            ("step", "eval/accuracy", None, "held-out accuracy (greedy) vs update steps"),
+            ("rollouts", "reward/round1", None, "training reward (round 1)"),
+            ("rollouts", "policy/entropy_onpolicy", None, "entropy, on-policy round-1 rows"),
+            ("rollouts", "policy/entropy", None, "entropy, whole EPA batch"),
+            ("rollouts", "policy/grad_norm", None, "gradient norm (total)"),
+            ("rollouts", "grad_norm/epa", "policy/grad_norm_epa", "gradient norm, EPA term"),
+            ("rollouts", "grad_norm/ecc", "policy/grad_norm_ecc", "gradient norm, ECC term"),
+            ("rollouts", "feedback/fix_rate", None, "fix rate (round 2 fixes a failure)"),
+            ("rollouts", "feedback/fix_rate_r1succ_0", None, "fix rate, groups with 0 round-1 successes"),
+            ("rollouts", "groups/all_fail_frac", None, "all-fail groups (no GRPO signal)")]
+  fig, axes = plt.subplots(3, 4, figsize=(22, 13))
   labels = list(dict.fromkeys(r["label"] for r in results))
-  colors = {l: f"C{i}" for i, l in enumerate(labels)}
-  for ax, (x, y, title) in zip(axes.flat, panels):
+  colors = {l: f"C{i % 10}" for i, l in enumerate(labels)}
+  styles = {l: ("--" if i >= 10 else "-") for i, l in enumerate(labels)}
+  for ax, (x, y, fb, ttl) in zip(axes.flat, panels):
     for l in labels:
       runs = [r for r in results if r["label"] == l]
+      name = f"{l} (equal steps)" if runs[0].get("stop") == "steps" else l
       for i, r in enumerate(runs):
-        pts = [(row[x], row[y]) for row in r["rows"] if y in row]
+        pts = _series(r["rows"], y, fb)
         if pts:
-          xs, ys = zip(*pts)
-          ax.plot(xs, ys, color=colors[l], alpha=0.35 if len(runs) > 1 else 1.0,
-                  label=l if i == 0 else None)
+          xs, ys = zip(*[(row[x], v) for row, v in pts])
+          ax.plot(xs, ys, color=colors[l], ls=styles[l], alpha=0.35 if len(runs) > 1 else 1.0,
+                  marker="o" if len(xs) < 3 else None, label=name if i == 0 else None)
       # mean curve over seeds (on the first seed's x grid for eval curves)
       if len(runs) > 1 and y.startswith("eval/"):
         grids = [[row[y] for row in r["rows"] if y in row] for r in runs]
         n = min(len(g) for g in grids)
         xs = [row[x] for row in runs[0]["rows"] if y in row][:n]
-        ax.plot(xs, np.mean([g[:n] for g in grids], 0), color=colors[l], lw=2.5)
-    ax.set_title(title, fontsize=10)
+        ax.plot(xs, np.mean([g[:n] for g in grids], 0), color=colors[l], ls=styles[l], lw=2.5)
+    ax.set_title(ttl, fontsize=10)
     ax.set_xlabel(x)
     ax.grid(alpha=0.3)
-  axes.flat[0].legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(out_png, dpi=90)
+  axes.flat[0].legend(fontsize=7)
+  if title:
+    fig.suptitle(title, fontsize=9)
+  fig.tight_layout(rect=(0, 0, 1, 0.97) if title else None)
+  fig.savefig(out_png, dpi=80)
   plt.close(fig)
+
+
+def machine_state() -> dict:
+  """The machine the runs shared: CPU count and load averages (1, 5, 15 min)."""
+  try:
+    load = os.getloadavg()
+  except OSError:
+    load = (float("nan"),) * 3
+  return {"cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in load],
+          "host": platform.node(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def selected_arms() -> list:
+  if FLAGS.arms:
+    bad = [a for a in FLAGS.arms if a not in ARMS]
+    if bad:
+      raise app.UsageError(f"unknown arm(s) {bad}; known: {sorted(ARMS)}")
+    return list(FLAGS.arms)
+  if FLAGS.ablations:
+    return list(ABLATIONS)
+  out = []
+  for a in FLAGS.algos:
+    if a not in ARMS:
+      raise app.UsageError(f"unknown algorithm {a!r}; known arms: {sorted(ARMS)}")
+    out.append(a)
+  return out
+
+
+def probe_warm_start(trainer, params, batches: int) -> dict:
+  """Round 1 and a FAP round 2 (``fap_mode=single``) on ``batches`` training
+  batches, no update: rates averaged over batches, fix rates pooled over rows."""
+  import jax
+  from fbos_jax.rl import rollout as rollout_lib
+  rows = [rollout_lib.probe_step(trainer.ctx, params, trainer.env.next_train_batch(),
+                                 jax.random.fold_in(jax.random.key(2024), s), fap_mode="single")
+          for s in range(batches)]
+  out = {"batches": batches}
+  for k in ("reward/round1_solved", "groups/all_fail_frac", "groups/all_equal_frac",
+            "fap/truncated_frac"):
+    out[k] = float(np.mean([r[k] for r in rows]))
+  pooled = lambda rate, cnt: (sum(r.get(rate, 0.0) * r.get(cnt, 0) for r in rows)
+                              / max(sum(r.get(cnt, 0) for r in rows), 1))
+  out["fix_rate"] = pooled("feedback/fix_rate", "feedback/fix_rows")
+  # the same rows' prompts resampled on q (their round-1 success rate): the baseline
+  out["resample_rate"] = pooled("feedback/resample_rate", "feedback/fix_rows")
+  out["fix_rows"] = int(sum(r.get("feedback/fix_rows", 0) for r in rows))
+  for b in fix_buckets([rows]):
+    n = sum(r.get(f"feedback/fix_rows_r1succ_{b}", 0) for r in rows)
+    out[f"fix_rate_r1succ_{b}"] = (pooled(f"feedback/fix_rate_r1succ_{b}",
+                                          f"feedback/fix_rows_r1succ_{b}") if n else float("nan"))
+    out[f"fix_rows_r1succ_{b}"] = int(n)
+  return out
+
+
+def warm_starts(seeds: list) -> tuple:
+  """The warm start of each seed (trained once, cached), its held-out accuracy
+  and its probe: ({seed: params}, {seed: eval}, {seed: probe})."""
+  from fbos_jax.rl import sft as sft_lib
+  from fbos_jax.rl.trainer import RLTrainer
+  params, evals, probes = {}, {}, {}
+  for seed in ([0] if FLAGS.shared_warm_start else seeds):
+    cfg = shared_setup(load_config(REFERENCE, FLAGS.variant), FLAGS.quick)
+    cfg.seed = seed
+    tag = "" if FLAGS.shared_warm_start else f"_s{seed}"
+    tr = RLTrainer(cfg, os.path.join(FLAGS.workdir, f"warm_start{tag}"))
+    p, cached = sft_lib.warm_start(cfg, tr.env, tr.init_state().params, mesh=tr.mesh,
+                                   cache_dir=os.path.join(FLAGS.workdir, f"sft{tag}"))
+    ev = tr.evaluate(p, tr.env.eval_examples(), k=cfg.train.eval_k)
+    print(f"warm start (seed {seed}): held-out accuracy {ev['eval/accuracy']:.3f} (greedy), "
+          f"{ev.get('eval/pass@1_sampled', float('nan')):.3f} (T=1), "
+          f"length {ev['eval/length']:.2f} ({'cached' if cached else 'trained'})", flush=True)
+    if FLAGS.probe_batches > 0:
+      probes[seed] = probe_warm_start(tr, p, FLAGS.probe_batches)
+      print(f"warm start (seed {seed}) probe: {json.dumps(probes[seed])}", flush=True)
+    tr.close()
+    params[seed], evals[seed] = p, ev
+  if FLAGS.shared_warm_start:
+    params = {s: params[0] for s in seeds}
+    evals = {s: evals[0] for s in seeds}
+  return params, evals, probes
 
 
 def main(argv):
   del argv
-  import jax
-  from fbos_jax.rl import sft as sft_lib
-  from fbos_jax.rl.env import Environment
-  from fbos_jax.rl.trainer import RLTrainer
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required")
   if FLAGS.resummarize:
     with open(os.path.join(FLAGS.workdir, "compare.json")) as f:
       data = json.load(f)
     write_outputs(data["runs"], data["warm_start"], data["budget_rollouts"], data["seeds"],
-                  data["wall_seconds"])
+                  data["wall_seconds"], meta={k: data[k] for k in ("command", "note", "machine",
+                                                                  "variant", "arms", "probes",
+                                                                  "warm_starts", "equal_steps")
+                                              if k in data})
     return
   t_start = time.perf_counter()
   os.makedirs(FLAGS.workdir, exist_ok=True)
-  runs = ([(l, n, a) for l, (n, a) in ABLATIONS.items()] if FLAGS.ablations
-          else [(a, a, "tiny") for a in FLAGS.algos])
-  # ---- one shared warm start
-  base_cfg = shared_setup(load_config("grpo", "tiny"), FLAGS.quick)
-  tr0 = RLTrainer(base_cfg, os.path.join(FLAGS.workdir, "warm_start"))
-  sft_params, cached = sft_lib.warm_start(base_cfg, tr0.env, tr0.init_state().params, mesh=tr0.mesh,
-                                          cache_dir=os.path.join(FLAGS.workdir, "sft"))
-  sft_eval = tr0.evaluate(sft_params, tr0.env.eval_examples(), k=base_cfg.train.eval_k)
-  print(f"warm start: held-out accuracy {sft_eval['eval/accuracy']:.3f} (greedy), "
-        f"{sft_eval.get('eval/pass@1_sampled', float('nan')):.3f} (T=1), "
-        f"length {sft_eval['eval/length']:.2f} ({'cached' if cached else 'trained'})", flush=True)
-  tr0.close()
+  labels = selected_arms()
+  seeds = list(range(1 if FLAGS.quick else FLAGS.seeds))
+  meta = {"command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
+          "note": FLAGS.note, "machine": {"start": machine_state()}, "variant": FLAGS.variant,
+          "arms": {l: dataclasses.asdict(ARMS[l]) for l in labels}}
+  sft_params, sft_evals, probes = warm_starts(seeds)
+  meta["probes"] = {str(k): v for k, v in probes.items()}
+  meta["warm_starts"] = {str(k): v for k, v in sft_evals.items()}
+  if FLAGS.probe_only:
+    meta["machine"]["end"] = machine_state()
+    with open(os.path.join(FLAGS.workdir, "probe.json"), "w") as f:
+      json.dump(meta, f, indent=1, default=float)
+    print(probe_markdown(probes))
+    return
+  base_cfg = shared_setup(load_config(REFERENCE, FLAGS.variant), FLAGS.quick)
   budget = FLAGS.budget or (64 if FLAGS.quick else 128 * base_cfg.train.steps)
   eval_every = FLAGS.eval_every or (2 if FLAGS.quick else 5)
-  seeds = 1 if FLAGS.quick else FLAGS.seeds
+  max_steps = reference_steps(budget, FLAGS.variant, FLAGS.quick)
+  meta["equal_steps"] = max_steps
   results = []
   from tqdm.auto import tqdm
-  bar = tqdm([(r, s) for r in runs for s in range(seeds)], desc="compare", dynamic_ncols=True)
-  for (label, name, arg), seed in bar:
+  bar = tqdm([(l, s) for l in labels for s in seeds], desc="compare", dynamic_ncols=True)
+  for label, seed in bar:
     bar.set_postfix(run=f"{label} s{seed}")
-    res = run_one(label, name, arg, seed, sft_params, budget, eval_every, FLAGS.workdir, FLAGS.quick)
+    res = run_one(label, ARMS[label], seed, sft_params[seed], budget, max_steps, eval_every,
+                  FLAGS.workdir, FLAGS.quick, FLAGS.variant)
     results.append(res)
     logging.info("%s seed %d: final acc %.3f in %.0fs", label, seed,
                  _final(res["rows"], "eval/accuracy"), res["seconds"])
-  write_outputs(results, sft_eval, budget, seeds, time.perf_counter() - t_start)
+  meta["machine"]["end"] = machine_state()
+  write_outputs(results, sft_evals[seeds[0]], budget, len(seeds),
+                time.perf_counter() - t_start, meta=meta)
 
 
-def write_outputs(results, sft_eval, budget, seeds, wall):
-  """compare.json (all numbers), compare.md (the table) and compare.png."""
+def write_outputs(results, sft_eval, budget, seeds, wall, meta=None):
+  """compare.json (all numbers), compare.md (the tables) and compare.png."""
+  meta = dict(meta or {})
   table = summarize(results, sft_eval["eval/length"], budget)
   out = {"budget_rollouts": budget, "seeds": seeds, "warm_start": sft_eval, "wall_seconds": wall,
-         "table": table, "runs": results}
+         **meta, "table": table, "runs": results}
   with open(os.path.join(FLAGS.workdir, "compare.json"), "w") as f:
     json.dump(out, f, indent=1, default=float)
+  machine = meta.get("machine", {})
+  load = lambda k: machine.get(k, {}).get("load_avg", "?")
+  header = [f"Command: `{meta.get('command', '?')}`",
+            f"Machine: {machine.get('start', {}).get('cpus', '?')} CPUs; load average "
+            f"(1/5/15 min) {load('start')} at the start, {load('end')} at the end. "
+            f"Shared with: {meta.get('note') or '(no --note given)'}",
+            f"Variant `{meta.get('variant', '?')}`; budget: {budget} generated rollouts per run "
+            f"(equal-steps arms: {meta.get('equal_steps', '?')} steps, the reference's count); "
+            f"{seeds} seed(s); warm start (seed 0) accuracy {sft_eval['eval/accuracy']:.3f} "
+            f"(greedy), {sft_eval.get('eval/pass@1_sampled', float('nan')):.3f} (T=1); "
+            f"wall time {wall / 60:.1f} min."]
+  arms = meta.get("arms", {})
+  if arms:
+    header.append("Arms: " + "; ".join(
+        f"`{l}` = configs/{a['config']}.py:{meta.get('variant', 'tiny')}"
+        f"{',' + a['flavors'] if a['flavors'] else ''} ({a['what']}; "
+        f"{'EQUAL STEPS, not equal rollouts' if a['stop'] == 'steps' else 'equal rollouts'})"
+        for l, a in arms.items()) + ". Every arm that ran is reported.")
   md = markdown(table)
+  diag = diagnostics_markdown(table)
+  probe = probe_markdown({int(k): v for k, v in meta.get("probes", {}).items()})
   with open(os.path.join(FLAGS.workdir, "compare.md"), "w") as f:
-    f.write(f"Budget: {budget} generated rollouts per run, {seeds} seed(s), warm start accuracy "
-            f"{sft_eval['eval/accuracy']:.3f} (greedy), "
-            f"{sft_eval.get('eval/pass@1_sampled', float('nan')):.3f} (T=1); "
-            f"wall time {wall / 60:.1f} min.\n\n{md}\n")
-  plot(results, os.path.join(FLAGS.workdir, "compare.png"))
+    f.write("\n\n".join(header) + f"\n\n{md}\n\nDiagnostics (means over steps; fix rates "
+            f"pooled over round-2 rows per run; ± over seeds):\n\n{diag}\n")
+    if probe:
+      f.write(f"\nWarm starts before RL (``--probe_batches``):\n\n{probe}\n")
+  title = (f"{meta.get('command', '')}\nshared with: {meta.get('note') or '(no --note)'}; "
+           f"load {load('start')} -> {load('end')}; equal-steps arms stop at "
+           f"{meta.get('equal_steps', '?')} steps")
+  plot(results, os.path.join(FLAGS.workdir, "compare.png"), title=title)
   print(md)
+  print(diag)
   print(f"wall time: {wall / 60:.1f} min; files in {FLAGS.workdir}")
 
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -26,3 +28,72 @@ def test_compare_quick_writes_png_json_and_table(tmp_path):
     assert run["rows"][-2]["rollouts"] < data["budget_rollouts"]
   md = (tmp_path / "compare.md").read_text()
   assert "| fbos |" in md and "ELR" in md
+
+
+def _rows(steps, per_step, acc0, gain, **per):
+  rows = [{"step": 0, "rollouts": 0, "eval/accuracy": acc0, "eval/length": 8.0}]
+  for s in range(1, steps + 1):
+    r = {"step": s, "rollouts": s * per_step, "response/length": 8.0,
+         "policy/entropy": 0.5, "policy/entropy_onpolicy": 0.6, "policy/grad_norm": 2.0,
+         "grad_norm/epa": 1.5, "grad_norm/ecc": 1.0,
+         "feedback/fix_rate": 0.2, "feedback/fix_rows": 10, "groups/all_fail_frac": 0.1}
+    for k, (rate, count) in per.items():
+      r[f"feedback/fix_rate_r1succ_{k}"] = rate(s)
+      r[f"feedback/fix_rows_r1succ_{k}"] = count(s)
+    if s == steps:
+      r["eval/accuracy"] = acc0 + gain
+    rows.append(r)
+  return rows
+
+
+def test_summary_pools_fix_rates_and_labels_equal_step_arms():
+  """The summary's fix rate per bucket is pooled over rows (a step with 1 row does
+  not weigh like a step with 9), and equal-steps arms are labelled in every table."""
+  import importlib.util
+  sys.path.insert(0, os.path.join(ROOT, "launch"))
+  spec = importlib.util.spec_from_file_location("compare_mod",
+                                                os.path.join(ROOT, "launch", "compare.py"))
+  cmp = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cmp)
+  per = {"0": (lambda s: 1.0 if s == 1 else 0.0, lambda s: 1 if s == 1 else 9)}
+  results = [{"label": "grpo", "seed": 0, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"},
+             {"label": "fbos", "seed": 0, "rows": _rows(2, 128, 0.5, 0.2, **per),
+              "stop": "rollouts"},
+             {"label": "fbos_16p_equal_steps", "seed": 0,
+              "rows": _rows(2, 256, 0.5, 0.3, **per), "stop": "steps"}]
+  table = cmp.summarize(results, 8.0, 256)
+  assert table["fbos"]["fix_rate_r1succ_0"]["mean"] == 0.1  # (1*1 + 0*9) / 10, not 0.5
+  assert table["fbos"]["entropy_onpolicy"]["mean"] == 0.6
+  assert table["fbos"]["grad_norm_ecc"]["mean"] == 1.0
+  assert table["fbos_16p_equal_steps"]["rollouts_used"]["mean"] == 512
+  md, diag = cmp.markdown(table), cmp.diagnostics_markdown(table)
+  assert "| fbos_16p_equal_steps (EQUAL STEPS) |" in md and "equal steps" in diag
+  assert "| fbos |" in md and "fix rate, r1 succ 0" in diag
+
+
+@pytest.mark.slow
+def test_compare_quick_ablation_arms(tmp_path):
+  """--quick over three pre-registered arms: the equal-steps arm stops at the
+  reference's step count (and is labelled so), the outputs carry the command and
+  the note, and the warm start is probed."""
+  out = subprocess.run(
+      [sys.executable, "launch/compare.py", "--quick", f"--workdir={tmp_path}",
+       "--arms=grpo,fbos_alternate,fbos_16p_equal_steps", "--probe_batches=1",
+       "--note=pytest smoke run"],
+      cwd=ROOT, capture_output=True, text=True, timeout=900,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+  assert out.returncode == 0, out.stderr[-3000:]
+  data = json.loads((tmp_path / "compare.json").read_text())
+  assert list(data["table"]) == ["grpo", "fbos_alternate", "fbos_16p_equal_steps"]
+  assert data["note"] == "pytest smoke run" and "--arms=" in data["command"]
+  runs = {r["label"]: r for r in data["runs"]}
+  assert runs["fbos_16p_equal_steps"]["rows"][-1]["step"] == data["equal_steps"] \
+      == runs["grpo"]["rows"][-1]["step"]
+  assert runs["fbos_16p_equal_steps"]["rows"][-1]["rollouts"] > data["budget_rollouts"]
+  for key in ("policy/entropy_onpolicy", "grad_norm/epa", "grad_norm/ecc",
+              "feedback/fix_rate_r1succ_0", "fap/truncated_frac"):
+    assert key in runs["fbos_alternate"]["rows"][-1], key
+  assert data["probes"]["0"]["batches"] == 1
+  md = (tmp_path / "compare.md").read_text()
+  assert "pytest smoke run" in md and "(EQUAL STEPS)" in md and "grad norm ECC" in md
+  assert (tmp_path / "compare.png").stat().st_size > 0

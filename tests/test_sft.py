@@ -59,3 +59,48 @@ def test_sft_lowers_both_nlls_and_is_cached(tmp_path):
     sft.warm_start(c, tr.env, params, mesh=tr.mesh, cache_dir=str(tmp_path / "sft"))
   assert os.path.exists(tmp_path / "sft" / "params")  # nothing deleted
   tr.close()
+
+
+def test_self_corrections_are_the_models_own_failures(tmp_path):
+  """sft.corrections=self: a correction's wrong attempt is one of the model's own
+  failed samples, with the verifier's feedback on it; a correct-only example
+  falls back to a corruption."""
+  c, tr = _setup(tmp_path, **{"sft.corrections": "self", "sft.self_samples": 3})
+  env = tr.env
+  examples = env.next_train_batch()
+  params = tr.init_state().params
+  own = sft.own_failures(c, env, params, examples, key=jax.random.key(0), mesh=tr.mesh)
+  assert len(own) == len(examples) and any(o is not None for o in own)
+  thr = c.verifier.success_threshold
+  for ex, o in zip(examples, own):
+    if o is not None:
+      assert env.verifier(ex, o).reward < thr
+  failures = list(own)
+  failures[0] = None  # a correct-only example: a corruption stands in
+  stats = {}
+  (_, _), (cp, cr) = sft.demonstration_rows(env, examples, conditional=False,
+                                            rng=random.Random(0), num_corrections=3,
+                                            failures=failures, stats=stats)
+  assert len(cp) == 3
+  for ex, o, ctx in zip(examples[1:3], own[1:3], cp[1:3]):
+    assert ctx == env.fap_ids(ex, o, env.verifier(ex, o).feedback)
+  assert stats["own"] == sum(o is not None for o in own[1:3]) and stats["truncated"] == 0
+  tr.close()
+
+
+def test_self_corrections_start_mid_run_and_the_recipe_is_fingerprinted(tmp_path):
+  c, tr = _setup(tmp_path, **{"sft.corrections": "self", "sft.self_corrections_from": 0.5,
+                              "sft.steps": 4})
+  assert sft._self_corrections_start(c, 4) == 2
+  _, hist = sft.train_sft(c, tr.env, jax.tree.map(lambda a: a.copy(), tr.init_state().params),
+                          mesh=tr.mesh, progress=False)
+  assert hist[0]["step"] == 0 and hist[0]["corrections_own"] == 0  # corruptions first
+  assert hist[-1]["step"] == 3 and hist[-1]["corrections_own"] > 0  # then own failures
+  # the recipe is part of the cache key; the corrupt recipe keeps the old key
+  fp = sft._fingerprint(c)
+  assert fp["sft"]["corrections"] == "self" and "sampling" in fp
+  c.sft.corrections = "corrupt"
+  old = sft._fingerprint(c)
+  assert not set(sft._SELF_ONLY_FIELDS) & set(old["sft"]) and "sampling" not in old
+  assert sft._diff(old, fp)
+  tr.close()

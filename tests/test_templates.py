@@ -164,3 +164,26 @@ def test_bad_config_values(tok):
     builder(tok, style="nope")
   with pytest.raises(ValueError):
     builder(tok, truncation="nope")
+
+
+@pytest.mark.parametrize("use_chat", [False, True])
+@pytest.mark.parametrize("style", ["compact", "verbose"])
+def test_longest_tokens_is_the_length_of_the_longest_pieces(tok, chat_tok, use_chat, style):
+  """The budget bound of each prompt kind (character tokenizer: exact) equals the
+  rendered prompt of pieces that long, and a budget of that size cuts nothing."""
+  t = chat_tok if use_chat else tok
+  q, o, f = "7" * 13 + "=", "8" * 21, "x" * 37
+  need = {k: builder(t, style=style).longest_tokens(k, prompt_chars=len(q), response_chars=len(o),
+                                                     feedback_chars=len(f))
+          for k in ("fap", "aggregated", "fcp")}
+  b = builder(t, style=style, max_prompt_tokens=max(need.values()))
+  built = {"fap": b.fap(q, o, f), "fcp": b.fcp(q, f),
+           "aggregated": b.aggregated(q, [T.Attempt(o, f, -0.333333)])}
+  for kind, p in built.items():
+    assert not p.truncated
+    assert len(p.token_ids) == need[kind], kind
+  # one token less and the longest FAP is cut
+  short = builder(t, style=style, max_prompt_tokens=need["fap"] - 1)
+  assert short.fap(q, o, f).truncated
+  with pytest.raises(ValueError, match="prompt kind"):
+    b.longest_tokens("nope", prompt_chars=1, response_chars=1, feedback_chars=1)

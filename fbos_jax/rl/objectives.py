@@ -8,6 +8,14 @@ the kernels' registry (``fbos_kernels.get_policy_loss``: ``policy_gradient``,
 computed once per (mini-)batch and every micro-batch adds ``sum / denominator``;
 gradient accumulation is then exact (tunix-style), and the weights mean what
 they say whatever the terms' token counts.
+
+Terms train on different batches, so :func:`term_objective` differentiates one
+term at a time at no extra cost: the update accumulates each term's gradient
+on its own and sums them for the optimizer step (``grad_norm_<term>`` next to
+``grad_norm``). Besides each term's entropy over all its rows, the metrics hold
+``<term>_entropy_onpolicy`` over its on-policy rows only: for ``epa`` the
+round-1 rollouts without the feedback-guided rows EPA appends
+(:data:`ROUND1_BATCH`; logged as ``policy/entropy_onpolicy``).
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from fbos_jax.model import qwen
 from fbos_jax.rl.batch import PolicyBatch
 from fbos_jax.rl.config import LossConfig, UpdateConfig
 
-METRICS_PER_TERM = ("loss", "entropy", "kl", "clipfrac")
+METRICS_PER_TERM = ("loss", "entropy", "entropy_onpolicy", "kl", "clipfrac")
+ROUND1_BATCH = "epa"  # the batch whose on-policy rows are the round-1 rollouts on q
 
 
 def sequence_logprobs(params, cfg: qwen.ModelConfig, batch: PolicyBatch, *,
@@ -43,13 +52,20 @@ def sequence_logprobs(params, cfg: qwen.ModelConfig, batch: PolicyBatch, *,
       compute_entropy=compute_entropy)
 
 
+def _onpolicy_mask(batch: PolicyBatch):
+  """[N, R] the loss mask of the rows that are not off-policy."""
+  return batch.loss_mask * (~batch.is_offpolicy)[:, None].astype(batch.loss_mask.dtype)
+
+
 def denominators(batch: PolicyBatch, lc: LossConfig):
-  """(loss denominator, token count) of a whole (mini-)batch: parameter-free."""
+  """(loss denominator, token count, on-policy token count) of a whole
+  (mini-)batch: parameter-free."""
   mask = batch.loss_mask
   ones = jnp.ones_like(mask)
   _, d = K.aggregate(ones, mask, lc.loss_agg, norm_len=lc.norm_len or mask.shape[1])
   _, d_tok = K.aggregate(ones, mask, "token-mean")
-  return d, d_tok
+  _, d_on = K.aggregate(ones, _onpolicy_mask(batch), "token-mean")
+  return d, d_tok, d_on
 
 
 def _hparams(lc: LossConfig) -> dict:
@@ -61,7 +77,8 @@ def _hparams(lc: LossConfig) -> dict:
 def term_sums(params, cfg: qwen.ModelConfig, batch: PolicyBatch, loss: str, lc: LossConfig,
               ref_params=None, prox_logp=None) -> dict:
   """Sums (to be divided by the denominators) of one term on one micro-batch:
-  loss, entropy, KL to the reference, clipped-token fraction. Scalars."""
+  loss, entropy (all rows, and on-policy rows only), KL to the reference,
+  clipped-token fraction. Scalars."""
   mask = batch.loss_mask
   logp, ent = sequence_logprobs(params, cfg, batch, temperature=lc.temperature,
                                 time_chunk=lc.time_chunk, vocab_chunk=lc.vocab_chunk)
@@ -70,6 +87,7 @@ def term_sums(params, cfg: qwen.ModelConfig, batch: PolicyBatch, loss: str, lc: 
       prox_logp=prox_logp, mask=mask, **_hparams(lc))
   s_loss, _ = K.aggregate(loss_t, mask, lc.loss_agg, norm_len=lc.norm_len or mask.shape[1])
   s_ent, _ = K.aggregate(ent, mask, "token-mean")
+  s_ent_on, _ = K.aggregate(ent, _onpolicy_mask(batch), "token-mean")
   s_clip, _ = K.aggregate(clipped.astype(jnp.float32), mask, "token-mean")
   s_kl = jnp.zeros(())
   if ref_params is not None and lc.kl_beta > 0:
@@ -77,7 +95,7 @@ def term_sums(params, cfg: qwen.ModelConfig, batch: PolicyBatch, loss: str, lc: 
                                     compute_entropy=False)
     kl = K.kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kind=lc.kl_kind, mask=mask)
     s_kl, _ = K.aggregate(kl, mask, "token-mean")
-  return dict(loss=s_loss, entropy=s_ent, kl=s_kl, clipfrac=s_clip)
+  return dict(loss=s_loss, entropy=s_ent, entropy_onpolicy=s_ent_on, kl=s_kl, clipfrac=s_clip)
 
 
 def term_weights(ucfg: UpdateConfig, step) -> jax.Array:
@@ -91,23 +109,33 @@ def term_weights(ucfg: UpdateConfig, step) -> jax.Array:
   return w
 
 
+def term_objective(params, cfg: qwen.ModelConfig, batch: PolicyBatch, term, lc: LossConfig,
+                   weight, denom: tuple, ref_params=None, prox_logp=None):
+  """One term's weighted loss on one micro-batch, its sums over the whole-(mini-)batch
+  denominators ``denom`` (:func:`denominators`):
+  ``weight * (L / D + kl_beta * KL - c_H * H)``. Returns (loss, {term_metric: value})."""
+  s = term_sums(params, cfg, batch, term.loss, lc, ref_params, prox_logp)
+  d, d_tok, d_on = denom
+  pg = K.safe_divide(s["loss"], d)
+  ent = K.safe_divide(s["entropy"], d_tok)
+  kl = K.safe_divide(s["kl"], d_tok)
+  loss = weight * (pg + lc.kl_beta * kl - lc.entropy_coef * ent)
+  return loss, {f"{term.batch}_loss": pg, f"{term.batch}_entropy": ent,
+                f"{term.batch}_entropy_onpolicy": K.safe_divide(s["entropy_onpolicy"], d_on),
+                f"{term.batch}_kl": kl,
+                f"{term.batch}_clipfrac": K.safe_divide(s["clipfrac"], d_tok)}
+
+
 def objective(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConfig, weights,
               denoms: dict, ref_params=None, prox: Optional[dict] = None):
   """The loss of one micro-batch: each term's sums over its whole-(mini-)batch
-  denominators, weighted. Returns (loss, {term_metric: value})."""
-  lc = ucfg.loss
+  denominators, weighted, summed. Returns (loss, {term_metric: value})."""
   total = jnp.zeros(())
   metrics = {}
   for i, term in enumerate(ucfg.terms):
-    s = term_sums(params, cfg, batches[term.batch], term.loss, lc, ref_params,
-                  None if prox is None else prox.get(term.batch))
-    d, d_tok = denoms[term.batch]
-    pg = K.safe_divide(s["loss"], d)
-    ent = K.safe_divide(s["entropy"], d_tok)
-    kl = K.safe_divide(s["kl"], d_tok)
-    total = total + weights[i] * (pg + lc.kl_beta * kl - lc.entropy_coef * ent)
-    metrics[f"{term.batch}_loss"] = pg
-    metrics[f"{term.batch}_entropy"] = ent
-    metrics[f"{term.batch}_kl"] = kl
-    metrics[f"{term.batch}_clipfrac"] = K.safe_divide(s["clipfrac"], d_tok)
+    loss, m = term_objective(params, cfg, batches[term.batch], term, ucfg.loss, weights[i],
+                             denoms[term.batch], ref_params,
+                             None if prox is None else prox.get(term.batch))
+    total = total + loss
+    metrics.update(m)
   return total, metrics

@@ -51,6 +51,8 @@ class Rollouts:
                           FAP (-1: GOLF's aggregated prompt; round 1: -1)
   rewards:  [P, n] float32, feedback [P][n] str, is_error [P, n] bool: from verify
   texts:    [P][n] decoded responses
+  truncated:[P, n] bool   round 2: the row's prompt (FAP or aggregated prompt) had
+                          its response or feedback cut to fit templates.max_prompt_tokens
   """
   contexts: list
   tokens: np.ndarray
@@ -63,6 +65,7 @@ class Rollouts:
   rewards: Optional[np.ndarray] = None
   feedback: Optional[list] = None
   is_error: Optional[np.ndarray] = None
+  truncated: Optional[np.ndarray] = None
 
   @property
   def shape(self) -> tuple:
@@ -91,13 +94,22 @@ class RowSet:
 
 class RolloutContext:
   """What the phases need: the config, the environment (tokenizer, templates,
-  verifier pool, data) and the mesh the samplers run on."""
+  verifier pool, data) and the mesh the samplers run on.
+
+  Building it checks the feedback-prompt budget once
+  (:func:`fbos_jax.rl.env.check_fap_budget`): a ``templates.max_prompt_tokens``
+  below the longest FAP the task can produce warns (``templates.truncation=error``:
+  raises), naming the field and the length needed. ``fap_budget`` keeps the bound."""
 
   def __init__(self, config, env, mesh, model_cfg: qwen.ModelConfig):
+    from fbos_jax.rl import env as env_lib
     self.config, self.env, self.mesh, self.model_cfg = config, env, mesh, model_cfg
     self.rules = sh.rules_dict(config.mesh.rules)
     self.rl = config.rl
     self.threshold = float(config.verifier.success_threshold)
+    tokenizer = getattr(env, "tokenizer", None)
+    self.fap_budget = (env_lib.check_fap_budget(config, tokenizer)
+                       if tokenizer is not None else None)
 
   def sample(self, params, contexts: list, n: int, key, *, temperature=None,
              prompt_buckets=None) -> tuple:
@@ -116,8 +128,9 @@ class RolloutContext:
 
 
 def _grouped(valid: np.ndarray, flat_rows: tuple, contexts: list, source: np.ndarray,
-             r: int) -> Rollouts:
-  """Scatter the sampled rows (row-major over ``valid``) into a [P, n] Rollouts."""
+             r: int, truncated: Optional[list] = None) -> Rollouts:
+  """Scatter the sampled rows (row-major over ``valid``) into a [P, n] Rollouts
+  (``truncated``: one flag per sampled row, whose prompt was cut)."""
   p, n = valid.shape
   tokens, mask, logp, lengths, texts = flat_rows
   idx = np.flatnonzero(valid.reshape(-1))
@@ -132,12 +145,13 @@ def _grouped(valid: np.ndarray, flat_rows: tuple, contexts: list, source: np.nda
   for k, j in enumerate(idx):
     grid_texts[j // n][j % n] = texts[k]
     grid_ctx[j // n][j % n] = contexts[k]
+  cut = np.zeros(len(idx), bool) if truncated is None else np.asarray(truncated, bool)
   return Rollouts(contexts=grid_ctx,
                   tokens=scatter(tokens.reshape(-1, r), 0, np.int32),
                   mask=scatter(mask.reshape(-1, r), 0, np.int32),
                   logp=scatter(logp.reshape(-1, r), 0.0, np.float32),
                   lengths=scatter(lengths.reshape(-1), 0, np.int32), valid=valid.copy(),
-                  source=source, texts=grid_texts)
+                  source=source, texts=grid_texts, truncated=scatter(cut, False, bool))
 
 
 def prompt_ids(ctx: RolloutContext, example) -> list:
@@ -195,14 +209,18 @@ def round2_single(ctx: RolloutContext, params, examples: list, r1: Rollouts, key
   rl, r = ctx.rl, ctx.config.sampling.max_new_tokens
   selected = assemble.select_fap_sources(r1.rewards, rl.fap_from, ctx.threshold) & r1.ok
   r2_prompt, r2_source = assemble.round2_plan(selected, rl.round2_size, "single")
-  faps = [ctx.env.fap_ids(examples[p], r1.texts[p][s], r1.feedback[p][s])
-          for p, s in zip(r2_prompt, r2_source)]
+  built = {}  # one FAP per selected round-1 row, shared by its round-robin rows
+  for p, s in zip(r2_prompt, r2_source):
+    if (p, s) not in built:
+      built[(p, s)] = ctx.env.fap(examples[p], r1.texts[p][s], r1.feedback[p][s])
+  faps = [built[(p, s)].token_ids for p, s in zip(r2_prompt, r2_source)]
+  cut = [built[(p, s)].truncated for p, s in zip(r2_prompt, r2_source)]
   rows = ctx.sample(params, faps, 1, key, prompt_buckets=ctx.config.sampling.fap_prompt_buckets)
   valid = np.zeros((len(examples), rl.round2_size), bool)
   valid[np.unique(r2_prompt).astype(int)] = True
   source = np.full(valid.shape, -1, np.int64)
   source[valid] = r2_source
-  return _grouped(valid, rows, faps, source, r)
+  return _grouped(valid, rows, faps, source, r, cut)
 
 
 def round2_aggregated(ctx: RolloutContext, params, examples: list, r1: Rollouts,
@@ -211,22 +229,53 @@ def round2_aggregated(ctx: RolloutContext, params, examples: list, r1: Rollouts,
   rl, r = ctx.rl, ctx.config.sampling.max_new_tokens
   selected = assemble.select_fap_sources(r1.rewards, rl.fap_from, ctx.threshold) & r1.ok
   uniq = np.flatnonzero(selected.any(axis=1))
-  agg = [ctx.env.aggregated_ids(examples[p], r1.texts[p], r1.feedback[p],
-                                np.where(r1.ok[p], r1.rewards[p], np.inf)) for p in uniq]
+  built = [ctx.env.aggregated(examples[p], r1.texts[p], r1.feedback[p],
+                              np.where(r1.ok[p], r1.rewards[p], np.inf)) for p in uniq]
+  agg = [b.token_ids for b in built]
   rows = ctx.sample(params, agg, rl.round2_size, key,
                     prompt_buckets=ctx.config.sampling.fap_prompt_buckets)
   valid = np.zeros((len(examples), rl.round2_size), bool)
   valid[uniq] = True
   return _grouped(valid, rows, [a for a in agg for _ in range(rl.round2_size)],
-                  np.full(valid.shape, -1, np.int64), r)
+                  np.full(valid.shape, -1, np.int64), r,
+                  [b.truncated for b in built for _ in range(rl.round2_size)])
 
 
 ROUND2: dict[str, Callable] = {"single": round2_single, "aggregated": round2_aggregated}
 
 
+def success_buckets(n: int) -> list:
+  """Round-1 success-count buckets of a group of n for the per-bucket fix rate:
+  [(name, lo, hi)] with lo <= successes <= hi. ``0``: no correct sample (GRPO
+  gets no signal; where both FBOS-RL and GOLF say feedback matters most);
+  ``1to{h-1}``: a minority correct; ``{h}plus``: at least half correct
+  (h = ceil(n / 2); n = 8: ``0``, ``1to3``, ``4plus``)."""
+  h = -(-n // 2)
+  out = [("0", 0, 0)]
+  if h - 1 >= 1:
+    out.append((f"1to{h - 1}", 1, h - 1))
+  out.append((f"{h}plus", max(h, 1), n))
+  return out
+
+
 def round2_metrics(r1: Rollouts, r2: Rollouts, threshold: float) -> dict:
+  """Round-2 rewards, the share of round-2 rows whose prompt was cut
+  (``fap/truncated_frac``), the FAP lengths in tokens (``fap/length_tokens``,
+  mean and max), and the fix rate: the share of round-2 rows from a
+  failed round-1 rollout that are correct, overall (``feedback/fix_rate``, over
+  ``feedback/fix_rows`` rows) and per round-1 success bucket of their prompt
+  (``feedback/fix_rate_r1succ_<bucket>``, with the row count
+  ``feedback/fix_rows_r1succ_<bucket>`` so steps can be pooled).
+  ``feedback/resample_rate`` is the round-1 success rate of the prompts of the
+  same rows: what sampling q again would have given, the fix rate's baseline."""
   ok = r2.ok
   m = {"round2/rollouts": int(r2.valid.sum())}
+  cut = r2.truncated if r2.truncated is not None else np.zeros(r2.shape, bool)
+  m["fap/truncated_frac"] = float(cut[r2.valid].mean()) if r2.valid.any() else 0.0
+  fap_len = [len(r2.contexts[p][j]) for p, j in zip(*np.nonzero(r2.valid))]
+  if fap_len:  # in the tokenizer's own tokens (real BPE tokens for a Qwen checkpoint)
+    m["fap/length_tokens"] = float(np.mean(fap_len))
+    m["fap/length_tokens_max"] = int(max(fap_len))
   if ok.any():
     src_r = np.where(r2.source >= 0,
                      np.take_along_axis(r1.rewards, np.maximum(r2.source, 0), axis=1), -np.inf)
@@ -234,7 +283,18 @@ def round2_metrics(r1: Rollouts, r2: Rollouts, threshold: float) -> dict:
     fixed = r2.rewards >= threshold
     m["reward/round2"] = float(r2.rewards[ok].mean())
     m["feedback/fix_rate"] = float(fixed[src_failed].mean()) if src_failed.any() else 0.0
+    m["feedback/fix_rows"] = int(src_failed.sum())
     m["response/length_round2"] = float(r2.lengths[ok].mean())
+    successes = ((r1.rewards >= threshold) & r1.ok).sum(axis=1)  # [P]
+    if src_failed.any():  # what sampling q again would give: its round-1 success rate
+      r1_rate = successes / np.maximum(r1.ok.sum(axis=1), 1)
+      m["feedback/resample_rate"] = float(
+          np.broadcast_to(r1_rate[:, None], ok.shape)[src_failed].mean())
+    for name, lo, hi in success_buckets(r1.shape[1]):
+      rows = src_failed & ((successes >= lo) & (successes <= hi))[:, None]
+      m[f"feedback/fix_rows_r1succ_{name}"] = int(rows.sum())
+      if rows.any():
+        m[f"feedback/fix_rate_r1succ_{name}"] = float(fixed[rows].mean())
   return m
 
 
@@ -435,12 +495,31 @@ def rollout_step(ctx: RolloutContext, params, examples: list, key, *, step: int,
   return batches, m, gfpo_state
 
 
+def probe_step(ctx: RolloutContext, params, examples: list, key, *,
+               fap_mode: Optional[str] = None) -> dict:
+  """Round 1, verify and a round 2 (``fap_mode``, default the config's) without
+  building batches or updating: the metrics of a warm start (round-1 success,
+  all-fail and all-equal groups, FAP truncation, fix rates), whatever the
+  config's own ``rl.round2``."""
+  k1, k2 = jax.random.split(key)
+  r1 = round1(ctx, params, examples, k1)
+  verify(ctx, r1, examples)
+  m = _round1_metrics(r1, ctx.threshold)
+  r2 = ROUND2[fap_mode or ctx.rl.fap_mode](ctx, params, examples, r1, k2)
+  verify(ctx, r2, examples)
+  m.update(round2_metrics(r1, r2, ctx.threshold))
+  return m
+
+
 def _round1_metrics(r1: Rollouts, threshold: float) -> dict:
   ok = r1.ok
   r = np.where(ok, r1.rewards, 0.0)
+  solved = (r1.rewards >= threshold) & ok
   return {"reward/round1": float(r[ok].mean()) if ok.any() else 0.0,
-          "reward/round1_solved": float((r1.rewards >= threshold)[ok].mean()) if ok.any() else 0.0,
+          "reward/round1_solved": float(solved[ok].mean()) if ok.any() else 0.0,
           "groups/all_equal_frac": assemble.all_zero_group_fraction(r),
+          # no correct sample in the group: plain GRPO learns nothing from it
+          "groups/all_fail_frac": float(np.mean(~solved.any(axis=1))),
           "response/length": float(r1.lengths.mean())}
 
 

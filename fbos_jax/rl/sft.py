@@ -1,9 +1,31 @@
 """Supervised warm start (and FCP's offline stage) through the same update step.
 
-Demonstrations are the procedural tasks' reference solutions, each checked by
-the verifier before use. With ``sft.conditional`` (FCP offline), half of the
+Demonstrations are the examples' reference solutions (``data.solution_field``
+of a file record, e.g. a worked solution ending in ``#### 42``; else the
+procedural task's answer), each checked by the verifier before use. With ``sft.conditional`` (FCP offline), half of the
 demonstrations are corrupted responses paired with their own verifier feedback
 c, and the context is ``<EF>c</EF>q``: the model learns p(o | q, c).
+
+Correction demonstrations (``sft.fap_fraction`` of a batch) teach the FAP
+format: FAP(q, o_wrong, F) -> the verified solution. ``sft.corrections`` says
+where o_wrong comes from:
+
+* ``corrupt``: one changed, dropped or added character of the solution. Real
+  failures look different: on the tiny sorting task the warm-started model's
+  failures carry 1-11 located errors (a third of them 3 or more, and runaway
+  repeats up to the token limit), so round 2 met feedback it had never seen.
+* ``self`` (the tiny configs): the model's own failures. From step
+  ``sft.self_corrections_from * sft.steps`` on (before it, the model cannot
+  sort yet and its samples are noise, so one-character corruptions stand in),
+  each correction example is sampled ``sft.self_samples`` times at
+  ``sampling.temperature`` from the current params, and its first failed sample
+  with the verifier's feedback builds the FAP (a correction example whose
+  samples all pass falls back to a corruption). The corrections then follow
+  the distribution of failures RL's round 2 starts from.
+
+The cache fingerprint holds the whole ``sft`` section, so a changed recipe never
+reuses an old warm start (the ``corrupt`` recipe leaves its new fields out, so
+caches trained before they existed stay valid).
 """
 
 from __future__ import annotations
@@ -46,26 +68,34 @@ def _corrupt(text: str, rng: random.Random) -> str:
 
 
 def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
-                       positive_feedback: str = "correct", num_corrections: int = 0):
+                       positive_feedback: str = "correct", num_corrections: int = 0,
+                       failures: Optional[list] = None, stats: Optional[dict] = None):
   """Verifier-checked demonstrations: (plain, corrections), each a pair of lists
   (context ids, response ids); responses end with EOS.
 
   The first ``num_corrections`` examples become corrections: the context is
-  FAP(q, o_wrong, F) for a corrupted attempt o_wrong and its real verifier
+  FAP(q, o_wrong, F) for a wrong attempt o_wrong and its real verifier
   feedback F, and the target is the verified solution (the warm start then
-  knows the FAP format, as an instruction-tuned base model would). A fixed count
-  keeps the batch shapes fixed. The rest are plain ``q -> o`` demonstrations
-  (FCP offline with ``conditional``: ``<EF>c</EF>q -> o``).
+  knows the FAP format, as an instruction-tuned base model would). o_wrong is
+  ``failures[i]`` (the model's own failed sample, :func:`own_failures`) when
+  given and not None, else a one-character corruption of the solution. A fixed
+  count keeps the batch shapes fixed. The rest are plain ``q -> o``
+  demonstrations (FCP offline with ``conditional``: ``<EF>c</EF>q -> o``).
 
   Every check runs through the environment's verifier pool (timeouts, fault
   isolation, reward range) in one batch; an error verdict drops its demonstration.
+  ``stats`` (a dict, if given) receives ``own`` (corrections from ``failures``)
+  and ``truncated`` (correction FAPs cut to fit ``templates.max_prompt_tokens``).
   """
   thr = env.config.verifier.success_threshold
-  solutions = [tasks_lib.solve(ex) for ex in examples]
+  field = env.config.data.get("solution_field", "")
+  solutions = [str(ex[field]) if field and ex.get(field) else tasks_lib.solve(ex)
+               for ex in examples]
   wrong, texts = {}, []
   for i, text in enumerate(solutions):  # the same draws, in the same order, as one by one
     if not conditional and i < num_corrections:
-      wrong[i] = _corrupt(text, rng)
+      own = failures[i] if failures is not None and i < len(failures) else None
+      wrong[i] = own if own is not None else _corrupt(text, rng)
     if conditional and rng.random() < 0.5:
       text = _corrupt(text, rng)
     texts.append(text)
@@ -76,11 +106,15 @@ def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
     if not e:
       verdict[(i, t)] = (float(r), f)
   plain, corr = ([], []), ([], [])
+  n_own = n_cut = 0
   for i, ex in enumerate(examples):
     w, ok = verdict.get((i, wrong.get(i))), verdict.get((i, solutions[i]))
     if i in wrong and w and ok and w[0] < thr and ok[0] >= thr:
-      corr[0].append(env.fap_ids(ex, wrong[i], w[1]))
+      fap = env.fap(ex, wrong[i], w[1])
+      corr[0].append(fap.token_ids)
       corr[1].append(env.tokenizer.encode(solutions[i], add_special_tokens=False) + [env.eos_id])
+      n_own += int(failures is not None and i < len(failures) and failures[i] is not None)
+      n_cut += int(fap.truncated)
       continue
     v = verdict.get((i, texts[i]))
     if v is None or (not conditional and v[0] < thr):
@@ -90,7 +124,32 @@ def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
       plain[0].append(env.fcp_prompt(ex, positive_feedback if v[0] >= thr else v[1]))
     else:
       plain[0].append(env.prompt_ids(ex))
+  if stats is not None:
+    stats.update(own=n_own, truncated=n_cut)
   return plain, corr
+
+
+def own_failures(config, env, params, examples, *, key, mesh) -> list:
+  """One failed sample of the model per example, or None where its
+  ``sft.self_samples`` samples (at ``sampling.temperature``) all pass or none
+  got a real verdict: the o_wrong of ``sft.corrections=self``."""
+  from fbos_jax import sharding as sh
+  if not examples:
+    return []
+  k = max(int(config.sft.self_samples), 1)
+  model_cfg = qwen.ModelConfig.from_dict(config.model)
+  sc = config.sampling
+  out = env.sample(params, model_cfg, [env.prompt_ids(ex) for ex in examples], n=k, key=key,
+                   mesh=mesh, rules=sh.rules_dict(config.mesh.rules),
+                   temperature=sc.temperature, prompt_buckets=tuple(sc.prompt_buckets))
+  texts = env.decode(out.tokens, out.lengths)
+  rewards, _, errors, _ = env.verify([ex for ex in examples for _ in range(k)], texts)
+  thr = config.verifier.success_threshold
+  found = []
+  for i in range(len(examples)):
+    rows = [j for j in range(i * k, (i + 1) * k) if not errors[j] and rewards[j] < thr]
+    found.append(texts[rows[0]] if rows else None)
+  return found
 
 
 def sft_batch(env, prompts, responses, prompt_len: int, response_len: int,
@@ -161,11 +220,28 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
     from tqdm.auto import tqdm
     bar = tqdm(bar, desc="SFT warm start", dynamic_ncols=True)
   prev = None
+  self_from = _self_corrections_start(config, steps) if n_corr else steps
+  sample_key = jax.random.key(config.seed + 104_729)
+  # the corrections' prompt bucket: grows, never shrinks (few programs). Own failures
+  # start at the bucket of the longest FAP of one-character tokens (one program for
+  # the run, unless a rarer longer one comes)
+  corr_len = 0
+  if self_from < steps:
+    from fbos_jax.rl import env as env_lib
+    common = env_lib.longest_fap_tokens(config, env.tokenizer, chars_per_token=1)
+    if common is not None and common["fap"] <= f_buckets[-1]:
+      corr_len = buckets.pick_bucket(common["fap"], f_buckets)
   for s in bar:
     examples = next(it)
+    failures = None
+    if s >= self_from:
+      failures = own_failures(config, env, state.params, examples[:n_corr],
+                              key=jax.random.fold_in(sample_key, s), mesh=mesh)
+    stats = {}
     (pp, pr), (cp, cr) = demonstration_rows(
         env, examples, conditional=config.sft.conditional, rng=rng,
-        positive_feedback=config.rl.fcp_positive_feedback, num_corrections=n_corr)
+        positive_feedback=config.rl.fcp_positive_feedback, num_corrections=n_corr,
+        failures=failures, stats=stats)
     if not pp:
       raise ValueError(
           f"SFT step {s}: none of the {len(examples)} demonstrations passed the verifier "
@@ -175,9 +251,14 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
                                field="sampling.prompt_buckets")
     batches = {"demos": put(sft_batch(env, pp, pr, plen, r_len, plain_rows))}
     if n_corr:
-      # corrections always take the largest FAP bucket: one program for the whole run
-      # (their lengths straddle the smaller buckets, and a compile costs more here)
-      batches["corrections"] = put(sft_batch(env, cp, cr, f_buckets[-1], r_len, corr_rows))
+      # corrections take the smallest FAP bucket that holds this step's longest one,
+      # and never a smaller one than before: a program per bucket at most, and the
+      # rare long FAP (the budget holds the longest the task can produce) does not
+      # pad every step
+      corr_len = max(corr_len, buckets.pick_bucket(
+          max(map(len, cp), default=1), f_buckets, what="correction prompt",
+          field="sampling.fap_prompt_buckets / templates.max_prompt_tokens"))
+      batches["corrections"] = put(sft_batch(env, cp, cr, corr_len, r_len, corr_rows))
     with jax.set_mesh(mesh):  # attention picks its kernel from the mesh's devices
       state, m = step_fn(state, batches)
     # wait for the previous step only, so the bar shows real progress while the
@@ -186,27 +267,54 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
       jax.block_until_ready(prev[1])
       if prev[0] % 20 == 0:
         _record(history, bar, ucfg, *prev)
-    prev = (s, m)
+    prev = (s, m, dict(stats, corrections=len(cp), prompt_len=corr_len))
   if prev is not None:
     _record(history, bar, ucfg, *prev)
   return state.params, history
 
 
-def _record(history, bar, ucfg, s, m):
+def _self_corrections_start(config, steps: int) -> int:
+  """The first SFT step whose corrections are the model's own failures
+  (``sft.corrections=self``), or ``steps`` (never) for ``corrupt``."""
+  sft = config.sft
+  how = sft.get("corrections", "corrupt")
+  if how == "corrupt" or sft.conditional:
+    return steps
+  if how != "self":
+    raise ValueError(f"sft.corrections={how!r}: expected corrupt | self")
+  return int(round(float(sft.get("self_corrections_from", 0.5)) * steps))
+
+
+def _record(history, bar, ucfg, s, m, stats):
   m = jax.device_get(m)
   nll = sum(t.weight * float(m[f"{t.batch}_loss"]) for t in ucfg.terms)
   history.append({"step": s, "nll": nll, "nll_plain": float(m["demos_loss"]),
-                  "nll_corrections": float(m.get("corrections_loss", np.nan))})
+                  "nll_corrections": float(m.get("corrections_loss", np.nan)),
+                  "corrections": stats.get("corrections", 0),
+                  "corrections_own": stats.get("own", 0),
+                  "corrections_truncated": stats.get("truncated", 0),
+                  "corrections_prompt_len": stats.get("prompt_len", 0)})
   if hasattr(bar, "set_postfix"):
     bar.set_postfix(nll=f"{nll:.3f}", refresh=False)
+
+
+# sft fields that the ``corrupt`` recipe ignores: left out of its fingerprint, so a
+# cache trained before they existed (the same recipe) is still recognised
+_SELF_ONLY_FIELDS = ("corrections", "self_corrections_from", "self_samples")
 
 
 def _fingerprint(config) -> dict:
   """The config fields that decide the warm start's result (model, data, SFT recipe)."""
   data = {k: v for k, v in config.data.to_dict().items() if k != "read_threads"}
-  return {"seed": config.seed, "model": config.model.to_dict(), "data": data,
-          "sft": config.sft.to_dict(), "max_new_tokens": config.sampling.max_new_tokens,
-          "templates": config.templates.to_dict()}
+  sft = config.sft.to_dict()
+  if sft.get("corrections", "corrupt") == "corrupt":
+    sft = {k: v for k, v in sft.items() if k not in _SELF_ONLY_FIELDS}
+  out = {"seed": config.seed, "model": config.model.to_dict(), "data": data,
+         "sft": sft, "max_new_tokens": config.sampling.max_new_tokens,
+         "templates": config.templates.to_dict()}
+  if sft.get("corrections") == "self":  # the own samples depend on these too
+    out["sampling"] = {k: config.sampling[k] for k in ("temperature", "top_k", "top_p")}
+  return out
 
 
 def _diff(a, b, prefix="") -> list:

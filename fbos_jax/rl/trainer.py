@@ -198,6 +198,8 @@ def _update_metrics(um: dict, ucfg: config_lib.UpdateConfig) -> dict:
   for k, v in um.items():
     if k.endswith("_loss"):
       out[f"loss/{k[:-5]}"] = float(v)
+    elif k.startswith("grad_norm_"):  # one term's weighted contribution (issue 16)
+      out[f"grad_norm/{k[len('grad_norm_'):]}"] = float(v)
     else:
       out[f"policy/{k}"] = float(v)
   first = ucfg.terms[0].batch if ucfg.terms else "epa"

@@ -18,7 +18,11 @@ Inside one program, purejaxrl-style (no host round trip):
    when there is one mini-batch);
 3. inside each, ``micro_batches`` gradient-accumulation steps (``lax.scan``),
    each term normalised by its whole-mini-batch denominator
-   (:mod:`fbos_jax.rl.objectives`), so accumulation is exact;
+   (:mod:`fbos_jax.rl.objectives`), so accumulation is exact. Each term's
+   gradient is taken on its own (the terms train on different batches, so this
+   costs no extra compute) and added into the step's gradient;
+   ``grad_norm_<term>`` is the norm of a term's weighted contribution,
+   ``grad_norm`` that of the sum (see :func:`_grads` for the memory);
 4. an optimizer step that is skipped (params and optimizer state kept) when
    the loss or gradient is not finite and ``skip_nonfinite``.
 
@@ -73,25 +77,50 @@ def prox_logprobs(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConf
 
 
 def _grads(params, cfg, batches, ucfg, weights, ref_params, prox):
-  """Gradient and metric sums of one mini-batch, accumulated over micro-batches."""
+  """The step's gradient, per-term gradient norms and metric sums of one
+  mini-batch, accumulated over micro-batches: (grads, {term.batch: norm}, loss,
+  metrics).
+
+  Each term is differentiated on its own (the terms train on different batches,
+  so this is the compute of one joint gradient) and added to the step's
+  gradient in the config's term order. Every term but the last also keeps its
+  own accumulator; the last one's norm is that of the step's gradient minus the
+  others (one float32 accumulator more than a joint gradient for two terms,
+  none for one)."""
   m = ucfg.micro_batches
+  names = [t.batch for t in ucfg.terms]
   denoms = {name: objectives.denominators(b, ucfg.loss) for name, b in batches.items()}
-  grad_fn = jax.value_and_grad(objectives.objective, has_aux=True)
+  grad_fn = jax.value_and_grad(objectives.term_objective, has_aux=True)
 
   def micro_step(carry, i):
-    g_acc, l_acc, m_acc = carry
+    g_acc, own, l_acc, m_acc = carry
     mb = _split(batches, m, i)
-    mp = None if not prox else _split(prox, m, i)
-    (loss, met), g = grad_fn(params, cfg, mb, ucfg, weights, denoms, ref_params, mp)
-    return (jax.tree.map(jnp.add, g_acc, g), l_acc + loss, jax.tree.map(jnp.add, m_acc, met)), None
+    mp = {} if not prox else _split(prox, m, i)
+    met = {}
+    own = dict(own)
+    for k, term in enumerate(ucfg.terms):
+      (loss, tm), g = grad_fn(params, cfg, mb[term.batch], term, ucfg.loss, weights[k],
+                              denoms[term.batch], ref_params, mp.get(term.batch))
+      g_acc = jax.tree.map(jnp.add, g_acc, g)
+      if term.batch in own:
+        own[term.batch] = jax.tree.map(jnp.add, own[term.batch], g)
+      l_acc = l_acc + loss
+      met.update(tm)
+    return (g_acc, own, l_acc, jax.tree.map(jnp.add, m_acc, met)), None
 
-  zeros_g = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   zero_m = {f"{t.batch}_{k}": jnp.zeros(()) for t in ucfg.terms
             for k in objectives.METRICS_PER_TERM}
-  (grads, loss, met), _ = jax.lax.scan(micro_step, (zeros_g, jnp.zeros(()), zero_m),
-                                       jnp.arange(m))
+  init = (zeros(), {n: zeros() for n in names[:-1]}, jnp.zeros(()), zero_m)
+  (grads, own, loss, met), _ = jax.lax.scan(micro_step, init, jnp.arange(m))
+  norms = {n: optax.tree.norm(g) for n, g in own.items()}
+  if names:
+    rest = grads
+    for g in own.values():
+      rest = jax.tree.map(jnp.subtract, rest, g)
+    norms[names[-1]] = optax.tree.norm(rest)
   met = dict(met, **{f"{name}_tokens": d[1] for name, d in denoms.items()})
-  return grads, loss, met
+  return grads, norms, loss, met
 
 
 def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformation,
@@ -118,8 +147,9 @@ def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformatio
         data = ({n: jax.tree.map(lambda a, p=perm[n]: a[p], b) for n, b in batches.items()},
                 {n: a[perm[n]] for n, a in prox.items()})
       mb, mp = _split(data, mini, i)
-      grads, loss, met = _grads(params, cfg, mb, ucfg, weights, state.ref_params, mp)
+      grads, norms, loss, met = _grads(params, cfg, mb, ucfg, weights, state.ref_params, mp)
       grad_norm = optax.tree.norm(grads)
+      met = dict(met, **{f"grad_norm_{n}": v for n, v in norms.items()})
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       updates, new_opt = optimizer.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
@@ -133,6 +163,8 @@ def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformatio
         opt_step, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), jnp.arange(steps))
     metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), mets)
     metrics["finite"] = jnp.min(mets["finite"])  # 0 when any optimizer step was skipped
+    if f"{objectives.ROUND1_BATCH}_entropy_onpolicy" in metrics:  # round-1 rows on q only
+      metrics["entropy_onpolicy"] = metrics[f"{objectives.ROUND1_BATCH}_entropy_onpolicy"]
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               nonfinite_steps=state.nonfinite_steps + jnp.minimum(n_bad, 1))
     return new_state, metrics

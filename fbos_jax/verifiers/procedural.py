@@ -6,6 +6,13 @@ score`` where ``score`` in [0, 1] is the family's partial-credit fraction
 family's located error lines joined by ``"; "``, e.g. ``"the answer has 3
 digits, expected 2; digit 2 from the right is wrong"``. With
 ``feedback_reveals_answer=True`` it ends with ``"; the correct answer is X"``.
+
+``feedback_style`` picks the wording (``fbos_jax.tasks.FEEDBACK_STYLES``):
+``"prose"`` (default) or ``"compact"`` (one short line per kind of error; it
+differs for ``sort`` only). The compact wording has its own import path, so a
+config selects it with ``data.verifier`` alone::
+
+  --config.data.verifier=fbos_jax.verifiers.procedural:CompactProceduralVerifier
 """
 
 from __future__ import annotations
@@ -29,19 +36,27 @@ class ProceduralVerifier:
       wrong responses (off by default; see ALGORITHMS.md section 6).
     partial_credit: weight of the family's partial score for wrong responses
       (0 = binary reward).
+    feedback_style: "prose" | "compact" (default: the class's ``feedback_style``).
   """
 
   required_fields = ("task", "answer")  # the data loader refuses records without them
 
+  feedback_style = "prose"
+
   def __init__(self, feedback_reveals_answer: bool = False,
-               partial_credit: float = 0.0):
+               partial_credit: float = 0.0, feedback_style: str | None = None):
     if not 0.0 <= partial_credit < 1.0:
       raise ValueError("partial_credit must be in [0, 1)")
+    if feedback_style is not None:
+      if feedback_style not in tasks.FEEDBACK_STYLES:
+        raise ValueError(f"feedback_style={feedback_style!r}; expected one of "
+                         f"{tasks.FEEDBACK_STYLES}")
+      self.feedback_style = feedback_style
     self.feedback_reveals_answer = feedback_reveals_answer
     self.partial_credit = partial_credit
 
   def __call__(self, example: Mapping[str, Any], response: str) -> Verdict:
-    result = tasks.check(example, response)
+    result = tasks.check(example, response, self.feedback_style)
     info = {"task": example["task"], "score": result.score, **result.info}
     if result.correct:
       return Verdict(1.0, CORRECT_FEEDBACK, info)
@@ -50,3 +65,25 @@ class ProceduralVerifier:
       lines.append(f"the correct answer is {tasks.solve(example)}")
     return Verdict(self.partial_credit * result.score, SEPARATOR.join(lines),
                    info)
+
+
+@register_verifier("procedural_compact")
+class CompactProceduralVerifier(ProceduralVerifier):
+  """The procedural verifier with the compact feedback wording (the tiny
+  configs set ``data.verifier`` to :data:`COMPACT_PATH`)."""
+
+  feedback_style = "compact"
+
+
+# an import path works in every process (a registered name needs this module imported)
+COMPACT_PATH = "fbos_jax.verifiers.procedural:CompactProceduralVerifier"
+
+
+def feedback_style_of(verifier_name: str) -> str | None:
+  """The feedback wording a ``data.verifier`` value gives procedural examples
+  ("prose" for "auto" and "procedural"), or None for any other verifier."""
+  if verifier_name in ("auto", "procedural"):
+    return "prose"
+  if verifier_name in (COMPACT_PATH, "procedural_compact"):
+    return "compact"
+  return None
