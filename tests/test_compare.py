@@ -11,6 +11,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # ~2-3 min on 2 cores: opt in with -m slow
 def test_compare_quick_writes_png_json_and_table(tmp_path):
   out = subprocess.run(
       [sys.executable, "launch/compare.py", "--quick", f"--workdir={tmp_path}",
