@@ -65,7 +65,6 @@ def test_fap_of_a_failed_math_answer(checkpoint_dir, tmp_path):
     env.close()
 
 
-@pytest.mark.slow  # ~2-3 min on 2 cores: opt in with -m slow
 def test_qwen_checkpoint_trains_exports_and_reloads(checkpoint_dir, tmp_path):
   """--init_from_hf on the real-shape checkpoint: SFT on gold solutions, 2 FBOS
   steps in bf16 with math-verify rewards, a checkpoint; then export, transformers
