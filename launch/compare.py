@@ -514,7 +514,8 @@ def main(argv):
     write_outputs(data["runs"], data["warm_start"], data["budget_rollouts"], data["seeds"],
                   data["wall_seconds"], meta={k: data[k] for k in ("command", "note", "machine",
                                                                   "variant", "arms", "probes",
-                                                                  "warm_starts", "equal_steps")
+                                                                  "warm_starts", "equal_steps",
+                                                                  "partial")
                                               if k in data})
     return
   t_start = time.perf_counter()
@@ -540,7 +541,7 @@ def main(argv):
   meta["equal_steps"] = max_steps
   results = []
   from tqdm.auto import tqdm
-  bar = tqdm([(l, s) for l in labels for s in seeds], desc="compare", dynamic_ncols=True)
+  bar = tqdm([(l, s) for s in seeds for l in labels], desc="compare", dynamic_ncols=True)
   for label, seed in bar:
     bar.set_postfix(run=f"{label} s{seed}")
     res = run_one(label, ARMS[label], seed, sft_params[seed], budget, max_steps, eval_every,
@@ -548,13 +549,21 @@ def main(argv):
     results.append(res)
     logging.info("%s seed %d: final acc %.3f in %.0fs", label, seed,
                  _final(res["rows"], "eval/accuracy"), res["seconds"])
+    if len(results) < len(labels) * len(seeds):  # a long comparison keeps what it has so far
+      meta["machine"]["end"] = machine_state()
+      write_outputs(results, sft_evals[seeds[0]], budget, len(seeds),
+                    time.perf_counter() - t_start,
+                    meta=dict(meta, partial=f"{len(results)} of {len(labels) * len(seeds)} runs"),
+                    quiet=True)
   meta["machine"]["end"] = machine_state()
   write_outputs(results, sft_evals[seeds[0]], budget, len(seeds),
                 time.perf_counter() - t_start, meta=meta)
 
 
-def write_outputs(results, sft_eval, budget, seeds, wall, meta=None):
-  """compare.json (all numbers), compare.md (the tables) and compare.png."""
+def write_outputs(results, sft_eval, budget, seeds, wall, meta=None, quiet=False):
+  """compare.json (all numbers), compare.md (the tables) and compare.png. While a
+  comparison runs, they are rewritten after every run with ``meta["partial"]``
+  ("3 of 27 runs"), which the outputs state; ``quiet``: print nothing."""
   meta = dict(meta or {})
   table = summarize(results, sft_eval["eval/length"], budget)
   out = {"budget_rollouts": budget, "seeds": seeds, "warm_start": sft_eval, "wall_seconds": wall,
@@ -572,6 +581,9 @@ def write_outputs(results, sft_eval, budget, seeds, wall, meta=None):
             f"{seeds} seed(s); warm start (seed 0) accuracy {sft_eval['eval/accuracy']:.3f} "
             f"(greedy), {sft_eval.get('eval/pass@1_sampled', float('nan')):.3f} (T=1); "
             f"wall time {wall / 60:.1f} min."]
+  if meta.get("partial"):
+    header.insert(0, f"**PARTIAL: {meta['partial']} so far** (the comparison was still running "
+                     "or was stopped; the seeds and arms below are those that finished).")
   arms = meta.get("arms", {})
   if arms:
     header.append("Arms: " + "; ".join(
@@ -590,7 +602,11 @@ def write_outputs(results, sft_eval, budget, seeds, wall, meta=None):
   title = (f"{meta.get('command', '')}\nshared with: {meta.get('note') or '(no --note)'}; "
            f"load {load('start')} -> {load('end')}; equal-steps arms stop at "
            f"{meta.get('equal_steps', '?')} steps")
+  if meta.get("partial"):
+    title = f"PARTIAL ({meta['partial']}): " + title
   plot(results, os.path.join(FLAGS.workdir, "compare.png"), title=title)
+  if quiet:
+    return
   print(md)
   print(diag)
   print(f"wall time: {wall / 60:.1f} min; files in {FLAGS.workdir}")

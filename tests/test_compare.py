@@ -47,15 +47,38 @@ def _rows(steps, per_step, acc0, gain, **per):
   return rows
 
 
-def test_summary_pools_fix_rates_and_labels_equal_step_arms():
-  """The summary's fix rate per bucket is pooled over rows (a step with 1 row does
-  not weigh like a step with 9), and equal-steps arms are labelled in every table."""
+def _compare_module():
+  """launch/compare.py as a module, loaded once (its absl flags can be defined once)."""
+  if "compare_mod" in sys.modules:
+    return sys.modules["compare_mod"]
   import importlib.util
   sys.path.insert(0, os.path.join(ROOT, "launch"))
   spec = importlib.util.spec_from_file_location("compare_mod",
                                                 os.path.join(ROOT, "launch", "compare.py"))
   cmp = importlib.util.module_from_spec(spec)
+  sys.modules["compare_mod"] = cmp
   spec.loader.exec_module(cmp)
+  return cmp
+
+
+def test_partial_outputs_say_so(tmp_path):
+  """While a comparison runs, its files are rewritten after every run and say
+  how many runs they hold; --resummarize keeps the label."""
+  cmp = _compare_module()
+  cmp.FLAGS(["compare", f"--workdir={tmp_path}"])
+  results = [{"label": "grpo", "seed": 0, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"}]
+  sft = {"eval/accuracy": 0.5, "eval/length": 8.0}
+  cmp.write_outputs(results, sft, 256, 1, 60.0, meta={"partial": "1 of 9 runs"}, quiet=True)
+  assert "PARTIAL: 1 of 9 runs" in (tmp_path / "compare.md").read_text()
+  assert json.loads((tmp_path / "compare.json").read_text())["partial"] == "1 of 9 runs"
+  cmp.write_outputs(results, sft, 256, 1, 60.0, meta={}, quiet=True)
+  assert "PARTIAL" not in (tmp_path / "compare.md").read_text()
+
+
+def test_summary_pools_fix_rates_and_labels_equal_step_arms():
+  """The summary's fix rate per bucket is pooled over rows (a step with 1 row does
+  not weigh like a step with 9), and equal-steps arms are labelled in every table."""
+  cmp = _compare_module()
   per = {"0": (lambda s: 1.0 if s == 1 else 0.0, lambda s: 1 if s == 1 else 9)}
   results = [{"label": "grpo", "seed": 0, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"},
              {"label": "fbos", "seed": 0, "rows": _rows(2, 128, 0.5, 0.2, **per),
