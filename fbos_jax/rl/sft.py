@@ -196,8 +196,7 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   from fbos_jax import sharding as sh
   model_cfg = qwen.ModelConfig.from_dict(config.model)
   steps = config.sft.steps if steps is None else steps
-  opt, optim, ucfg, n_corr, (plain_rows, corr_rows) = _sft_setup(
-      config, steps, sh.batch_shard_count(mesh))
+  opt, optim, ucfg, n_corr, rows = _sft_setup(config, steps, sh.batch_shard_count(mesh))
   step_fn = jax.jit(update_lib.make_update_fn(model_cfg, opt, ucfg), donate_argnums=(0,))
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                opt_state=jax.jit(lambda p: optim_lib.init_opt_state(opt, p, optim))(params),
@@ -207,12 +206,7 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
                                      process_index=jax.process_index(),
                                      process_count=jax.process_count(),
                                      seed=config.seed + 7919)
-  rng = random.Random(config.seed)
-  r_len = config.sampling.max_new_tokens
-  p_buckets = sorted(set(config.sampling.prompt_buckets) | set(config.sampling.fap_prompt_buckets))
-  f_buckets = sorted(b for b in config.sampling.fap_prompt_buckets
-                     if b <= max(config.templates.max_prompt_tokens, 1)) or \
-      sorted(config.sampling.fap_prompt_buckets)[:1]
+  builder = _BatchBuilder(config, env, n_corr, rows, random.Random(config.seed))
   put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh), b)
   history = []
   bar = range(steps)
@@ -222,55 +216,77 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   prev = None
   self_from = _self_corrections_start(config, steps) if n_corr else steps
   sample_key = jax.random.key(config.seed + 104_729)
-  # the corrections' prompt bucket: grows, never shrinks (few programs). Own failures
-  # start at the bucket of the longest FAP of one-character tokens (one program for
-  # the run, unless a rarer longer one comes)
-  corr_len = 0
   if self_from < steps:
-    from fbos_jax.rl import env as env_lib
-    common = env_lib.longest_fap_tokens(config, env.tokenizer, chars_per_token=1)
-    if common is not None and common["fap"] <= f_buckets[-1]:
-      corr_len = buckets.pick_bucket(common["fap"], f_buckets)
+    builder.start_at_common_fap_bucket()
   for s in bar:
     examples = next(it)
     failures = None
     if s >= self_from:
       failures = own_failures(config, env, state.params, examples[:n_corr],
                               key=jax.random.fold_in(sample_key, s), mesh=mesh)
-    stats = {}
-    (pp, pr), (cp, cr) = demonstration_rows(
-        env, examples, conditional=config.sft.conditional, rng=rng,
-        positive_feedback=config.rl.fcp_positive_feedback, num_corrections=n_corr,
-        failures=failures, stats=stats)
-    if not pp:
-      raise ValueError(
-          f"SFT step {s}: none of the {len(examples)} demonstrations passed the verifier "
-          f"({data_lib.locate(examples[0])} and the rest); check data.verifier and the "
-          "verifier's error log")
-    plen = buckets.pick_bucket(max(map(len, pp)), p_buckets, what="demonstration prompt",
-                               field="sampling.prompt_buckets")
-    batches = {"demos": put(sft_batch(env, pp, pr, plen, r_len, plain_rows))}
-    if n_corr:
-      # corrections take the smallest FAP bucket that holds this step's longest one,
-      # and never a smaller one than before: a program per bucket at most, and the
-      # rare long FAP (the budget holds the longest the task can produce) does not
-      # pad every step
-      corr_len = max(corr_len, buckets.pick_bucket(
-          max(map(len, cp), default=1), f_buckets, what="correction prompt",
-          field="sampling.fap_prompt_buckets / templates.max_prompt_tokens"))
-      batches["corrections"] = put(sft_batch(env, cp, cr, corr_len, r_len, corr_rows))
+    batches, stats = builder(s, examples, failures)
     with jax.set_mesh(mesh):  # attention picks its kernel from the mesh's devices
-      state, m = step_fn(state, batches)
+      state, m = step_fn(state, put(batches))
     # wait for the previous step only, so the bar shows real progress while the
     # host still builds the next batch during this one (async dispatch)
     if prev is not None:
       jax.block_until_ready(prev[1])
       if prev[0] % 20 == 0:
         _record(history, bar, ucfg, *prev)
-    prev = (s, m, dict(stats, corrections=len(cp), prompt_len=corr_len))
+    prev = (s, m, stats)
   if prev is not None:
     _record(history, bar, ucfg, *prev)
   return state.params, history
+
+
+class _BatchBuilder:
+  """One SFT step's host batches: verified demonstrations at the smallest prompt
+  bucket that holds them, corrections (FAP contexts) at a FAP bucket that grows,
+  never shrinks (a program per bucket at most, and the rare long FAP, which the
+  budget holds whole, does not pad every step)."""
+
+  def __init__(self, config, env, n_corr: int, rows: tuple, rng: random.Random):
+    self.config, self.env, self.n_corr, self.rng = config, env, n_corr, rng
+    self.plain_rows, self.corr_rows = rows
+    sc = config.sampling
+    self.r_len = sc.max_new_tokens
+    self.p_buckets = sorted(set(sc.prompt_buckets) | set(sc.fap_prompt_buckets))
+    self.f_buckets = sorted(b for b in sc.fap_prompt_buckets
+                            if b <= max(config.templates.max_prompt_tokens, 1)) or \
+        sorted(sc.fap_prompt_buckets)[:1]
+    self.corr_len = 0
+
+  def start_at_common_fap_bucket(self):
+    """Own failures (``sft.corrections=self``) start at the bucket of the longest
+    FAP of one-character tokens: one program for the run, unless a rarer longer
+    FAP comes."""
+    from fbos_jax.rl import env as env_lib
+    common = env_lib.longest_fap_tokens(self.config, self.env.tokenizer, chars_per_token=1)
+    if common is not None and common["fap"] <= self.f_buckets[-1]:
+      self.corr_len = buckets.pick_bucket(common["fap"], self.f_buckets)
+
+  def __call__(self, step: int, examples: list, failures) -> tuple:
+    """({"demos": PolicyBatch[, "corrections": PolicyBatch]}, stats) on the host."""
+    stats = {}
+    (pp, pr), (cp, cr) = demonstration_rows(
+        self.env, examples, conditional=self.config.sft.conditional, rng=self.rng,
+        positive_feedback=self.config.rl.fcp_positive_feedback, num_corrections=self.n_corr,
+        failures=failures, stats=stats)
+    if not pp:
+      raise ValueError(
+          f"SFT step {step}: none of the {len(examples)} demonstrations passed the verifier "
+          f"({data_lib.locate(examples[0])} and the rest); check data.verifier and the "
+          "verifier's error log")
+    plen = buckets.pick_bucket(max(map(len, pp)), self.p_buckets, what="demonstration prompt",
+                               field="sampling.prompt_buckets")
+    batches = {"demos": sft_batch(self.env, pp, pr, plen, self.r_len, self.plain_rows)}
+    if self.n_corr:
+      self.corr_len = max(self.corr_len, buckets.pick_bucket(
+          max(map(len, cp), default=1), self.f_buckets, what="correction prompt",
+          field="sampling.fap_prompt_buckets / templates.max_prompt_tokens"))
+      batches["corrections"] = sft_batch(self.env, cp, cr, self.corr_len, self.r_len,
+                                         self.corr_rows)
+    return batches, dict(stats, corrections=len(cp), prompt_len=self.corr_len)
 
 
 def _self_corrections_start(config, steps: int) -> int:
