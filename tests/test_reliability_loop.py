@@ -225,10 +225,13 @@ def test_over_long_prompt_names_the_record(tmp_path):
   c = small("configs/grpo.py:tiny")
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
   examples = tr.env.next_train_batch()
-  examples[1] = dict(examples[1], prompt="9" * 200, id="long-one")
-  with pytest.raises(buckets.BucketError, match=r"(?s)id 'long-one'.*max_prompt_tokens"
-                     r".*data.max_prompt_tokens"):
-    R.round1(tr.ctx, tr.init_state().params, examples, jax.random.key(0))
+  # longer than the largest prompt bucket (32), within the template budget (656);
+  # then longer than the template budget too: each names its own limiting field
+  for chars, field in ((200, "sampling.prompt_buckets"), (1000, "templates.max_prompt_tokens")):
+    examples[1] = dict(examples[1], prompt="9" * chars, id="long-one")
+    with pytest.raises(buckets.BucketError, match=rf"(?s)id 'long-one'.*{field}"
+                       r".*data.max_prompt_tokens"):
+      R.round1(tr.ctx, tr.init_state().params, examples, jax.random.key(0))
   tr.close()
 
 
