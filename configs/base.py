@@ -129,7 +129,7 @@ VARIANTS = {
     "qwen_8b": dict(
         model=_QWEN3_8B, mesh=dict(dcn=1, data=1, fsdp=-1, tensor=4),
         run=dict(_LARGE_RUN, **{
-            "rl.micro_batches": 4,  # the fewest that fit on v5p:2x4x4 (--dry_run --topology=... --fit_micro_batches)
+            "rl.micro_batches": 2,  # the fewest that fit on v5p:2x4x4: 75.2 GiB (1: does not compile; --fit_micro_batches)
             # round 2 samples P*m = 512 FAP rows; all at once they need more than a
             # v5p's HBM, so the sampler takes them in chunks of 256 prompts
             "sampling.batch_buckets": (8, 16, 32, 64, 128, 256),
