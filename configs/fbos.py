@@ -9,6 +9,15 @@ off-policy samples, f(u)=u/(u+lambda)) and ECC (PPO on the FAPs).
   python launch/train.py --config=configs/fbos.py:qwen_8b --dry_run --topology=v5p:2x4x4
   python launch/train.py --config=configs/fbos.py:tiny,epa_only --workdir=...   # ablation
 
+The default is the paper's recipe as ALGORITHMS.md section 6 sets it (EPA and
+ECC at weight 1, every better feedback-guided rollout appended, f(u) with
+u = pi_theta). It is not yet chosen from the pre-registered ablation below
+(issue 16): that needs 27 runs of 10-20 minutes each on the 2-core machine, and
+only part of seed 0 has run (README, "Where feedback pays"). What has been
+measured argues for no arm in particular: on the tiny tasks a FAP fixes fewer
+failures than sampling q again (0.11 against 0.35 after the warm start), so
+neither term has much to work with.
+
 Flavors (ablation arms; launch/compare.py --ablations runs them side by side):
 
   epa_only      rl.terms.ecc.weight=0 (no ECC term)
