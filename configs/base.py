@@ -384,7 +384,8 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   return c
 
 
-def _set(c: mlc.ConfigDict, dotted: str, value):
+def set_field(c: mlc.ConfigDict, dotted: str, value):
+  """Set ``c.a.b = value`` from ``"a.b"``."""
   *path, last = dotted.split(".")
   node = c
   for p in path:
@@ -409,7 +410,7 @@ def get_config_for(arg: str, flavors: tuple = ()) -> tuple[mlc.ConfigDict, tuple
                      f"(e.g. :{variant},{known[0]}).")
   c = _defaults(variant)
   for dotted, value in VARIANTS[variant]["run"].items():
-    _set(c, dotted, value)
+    set_field(c, dotted, value)
   return c, extra
 
 

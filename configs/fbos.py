@@ -34,8 +34,20 @@ Flavors (ablation arms; launch/compare.py --ablations runs them side by side):
 """
 from configs import base
 
-FLAVORS = ("epa_only", "ecc_only", "behaviour", "aggregated", "adaptive_one", "ecc_quarter",
-           "alternate", "fap_all", "prompts16")
+# Each flavor is a set of field overrides (ablation arms of issue 16).
+FLAVOR_FIELDS = {
+    "epa_only": {"rl.terms.ecc.weight": 0.0},
+    "ecc_only": {"rl.terms.epa.weight": 0.0},
+    "behaviour": {"rl.offpolicy_ratio_denominator": "behaviour"},
+    "aggregated": {"rl.fap_mode": "aggregated"},
+    # tau = rl.epa_tau (-1: 1/n, i.e. no round-1 success)
+    "adaptive_one": {"rl.epa_trigger": "adaptive", "rl.epa_max_per_prompt": 1},
+    "ecc_quarter": {"rl.terms.ecc.weight": 0.25},
+    "alternate": {"rl.objective_schedule": "alternate"},
+    "fap_all": {"rl.fap_from": "all"},
+    "prompts16": {},  # keeps the variant's prompts per step (below)
+}
+FLAVORS = tuple(FLAVOR_FIELDS)
 
 
 def get_config(arg="tiny"):
@@ -56,21 +68,7 @@ def get_config(arg="tiny"):
   # n + m rollouts per prompt: half the prompts of GRPO for the same rollouts per step
   if c.variant in base.EQUAL_ROLLOUT_VARIANTS and "prompts16" not in flavors:
     c.rl.prompts_per_step = c.rl.prompts_per_step // 2
-  if "epa_only" in flavors:
-    c.rl.terms.ecc.weight = 0.0
-  if "ecc_only" in flavors:
-    c.rl.terms.epa.weight = 0.0
-  if "behaviour" in flavors:
-    c.rl.offpolicy_ratio_denominator = "behaviour"
-  if "aggregated" in flavors:
-    c.rl.fap_mode = "aggregated"
-  if "adaptive_one" in flavors:
-    c.rl.epa_trigger = "adaptive"  # tau = rl.epa_tau (-1: 1/n, i.e. no round-1 success)
-    c.rl.epa_max_per_prompt = 1
-  if "ecc_quarter" in flavors:
-    c.rl.terms.ecc.weight = 0.25
-  if "alternate" in flavors:
-    c.rl.objective_schedule = "alternate"
-  if "fap_all" in flavors:
-    c.rl.fap_from = "all"
+  for flavor in flavors:
+    for dotted, value in FLAVOR_FIELDS.get(flavor, {}).items():
+      base.set_field(c, dotted, value)
   return base.apply_common_flavors(c, flavors)
