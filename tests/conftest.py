@@ -11,6 +11,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("TPU_STDERR_LOG_LEVEL", "3")
 os.environ.setdefault("TPU_MIN_LOG_LEVEL", "3")
+# A persistent compilation cache outside the clone (compiling is most of the suite's
+# time): a second run of the suite, or another test with the same program, loads it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fbos_jax", "jax_tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 for p in (_ROOT, os.path.join(_ROOT, "kernels")):
   if p not in sys.path:
