@@ -12,12 +12,17 @@ Flavors (``:tiny,decoupled``) are named changes on top, listed per file.
   python launch/train.py --config=configs/fbos.py:tiny --workdir=/tmp/fbos_tiny
   python launch/train.py --config=configs/fbos.py:qwen_8b --dry_run --topology=v5p:2x4x4
 
-Every field can be overridden, e.g. ``--config.rl.group_size=16``. Nothing here
-imports the library: configs load without jax (``fbos_jax/rl/config.py``
-validates them and turns them into the library's dataclasses).
+Every field can be overridden, e.g. ``--config.rl.group_size=16``. The
+sections whose defaults the library owns (``data``, ``templates``, the sharding
+rules) are taken from it, so a default has one home; ``fbos_jax/rl/config.py``
+validates a config and turns it into the library's typed parts.
 """
 
 import ml_collections as mlc
+
+from fbos_jax import data as data_lib
+from fbos_jax import sharding as sharding_lib
+from fbos_jax import templates as templates_lib
 
 # ------------------------------------------------------------------ the variant table
 # Per variant: the model (field names of fbos_jax/model/qwen.py:ModelConfig; HF
@@ -55,7 +60,7 @@ _TINY_RUN = {
     "sampling.max_new_tokens": 12,
     "sampling.prompt_buckets": (16, 32),
     # The FAP budget holds the longest FAP the task can produce, so none is cut
-    # (fbos_jax/rl/env.py:longest_fap_tokens; tests/test_fbos_evidence.py):
+    # (fbos_jax/rl/fap_budget.py:longest_fap_tokens; tests/test_fbos_evidence.py):
     #   problem "sort " + 10 digits + "="                          16 chars
     #   response: 12 tokens of at most 5 chars (the token "</EF>")  60 chars
     #   compact feedback on a 60-char response (tasks.py bound)    572 chars
@@ -184,21 +189,6 @@ VARIANTS = {
         run=dict(_LARGE_RUN, **{"rl.micro_batches": 32})),
 }
 
-# logical axis -> mesh axes (Levanter/MaxText-style rules; fbos_jax/sharding.py)
-SHARDING_RULES = [
-    ("batch", ["dcn", "data", "fsdp"]),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("layers", None),
-    ("head_dim", None),
-    ("norm", None),
-    ("seq", None),
-    ("cache_seq", None),
-]
-
 # Flavors every algorithm file accepts (``:tiny,decoupled``).
 COMMON_FLAVORS = ("decoupled",)
 
@@ -224,50 +214,13 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.model.tokenizer_path = ""  # empty = the HF dir, or the char tokenizer built in the workdir
 
   c.mesh = mlc.ConfigDict(dict(v["mesh"]))
-  c.mesh.rules = [list(r) for r in SHARDING_RULES]
+  c.mesh.rules = [[name, list(t) if isinstance(t, tuple) else t]
+                  for name, t in sharding_lib.DEFAULT_RULES]  # logical axis -> mesh axes
   c.mesh.num_devices = 0  # >0: plan for this many (abstract) devices in --dry_run
 
-  c.data = mlc.ConfigDict()
-  c.data.source = "procedural"  # procedural | jsonl | parquet
-  c.data.path = ""  # jsonl/parquet: file, glob or comma list; any fsspec URL
-  c.data.task = "arithmetic"  # procedural task family, or a comma list mixed round-robin
-  c.data.difficulty = 1  # procedural difficulty (digits, list length, ...)
-  c.data.max_difficulty = 0  # >0: per-example difficulty in [difficulty, this]
-  c.data.num_examples = 0  # procedural: 0 = infinite index space
-  c.data.generation_seed = 0  # procedural content seed (not the order seed)
-  c.data.split = "train"  # train | eval; eval is disjoint from train
-  c.data.eval_path = ""  # files: a separate held-out file ...
-  c.data.eval_fraction = 0.05  # ... or this share of data.path by record hash, never trained on
-  c.data.verifier = "auto"  # auto: each record's "verifier" column; else a name or pkg.module:attr
-  c.data.feedback_reveals_answer = False  # GOLF's math feedback leaked the answer; off
-  c.data.shuffle = True
-  c.data.shuffle_seed = 0
-  c.data.num_epochs = 0  # 0 = repeat forever
-  c.data.prompt_field = "prompt"
-  c.data.answer_field = "answer"
-  c.data.solution_field = ""  # SFT demonstrations: this field of a record (else the answer)
-  c.data.id_field = "id"
-  c.data.max_prompt_chars = 0  # 0 = no limit
-  c.data.max_prompt_tokens = 0  # >0: prompts longer than this (tokens) are handled per over_long
-  c.data.over_long = "filter"  # filter | truncate | error
-  c.data.on_malformed = "error"  # error | skip
-  c.data.drop_remainder = True  # drop the last partial batch of finite data
-  c.data.read_threads = 4  # grain worker threads building examples
-
-  c.templates = mlc.ConfigDict()
-  c.templates.style = "compact"  # compact | verbose; custom strings below override the style
-  c.templates.fap = ""  # fields: {prompt} {response} {feedback}
-  c.templates.aggregated_header = ""  # fields: {prompt}
-  c.templates.aggregated_attempt = ""  # fields: {index} {score} {response} {feedback}
-  c.templates.aggregated_footer = ""  # fields: {prompt}
-  c.templates.aggregated_dedupe = True  # drop attempts whose response repeats one
-  c.templates.fcp = "<EF>{feedback}</EF>{prompt}"  # fields: {feedback} {prompt}
-  c.templates.max_prompt_tokens = 256  # budget of every built prompt (FAP, aggregated, FCP)
-  c.templates.truncation = "middle"  # middle | left | right | error
-  c.templates.ellipsis = "..."  # marks where a response/feedback was cut
-  c.templates.add_bos = False  # prepend tokenizer.bos_token_id (plain-text path)
-  c.templates.system_prompt = ""  # chat-template path only; "" = no system turn
-  c.templates.chat_template_kwargs = mlc.ConfigDict()  # e.g. {"enable_thinking": False}
+  # data and templates: the library's sections, whose defaults live there (one home)
+  c.data = data_lib.default_data_config()
+  c.templates = templates_lib.default_template_config()
 
   c.sampling = mlc.ConfigDict()
   c.sampling.max_new_tokens = 512
@@ -290,6 +243,8 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.verifier.reward_range = (-10.0, 10.0)  # rewards outside are error verdicts
   c.verifier.max_abandoned_threads = 16  # hung thread calls tolerated before switching to process
   c.verifier.success_threshold = 1.0  # reward >= this counts as solved
+  # stop the run when every verifier call of this many steps in a row failed (0 = never)
+  c.verifier.max_failed_steps = 3
 
   c.rl = mlc.ConfigDict()
   c.rl.prompts_per_step = 64
@@ -385,12 +340,41 @@ def _defaults(variant: str) -> mlc.ConfigDict:
 
 
 def set_field(c: mlc.ConfigDict, dotted: str, value):
-  """Set ``c.a.b = value`` from ``"a.b"``."""
+  """Set ``c.a.b = value`` from ``"a.b"``: the one dotted setter (configs, tests,
+  ``launch/compare.py --set``). A field that does not exist raises, naming it;
+  a string value for a non-string field is parsed as ``--config.a.b=...`` would
+  parse it (bool, int, float, tuple of numbers)."""
   *path, last = dotted.split(".")
   node = c
-  for p in path:
+  for i, p in enumerate(path):
+    if p not in node:
+      raise KeyError(f"config field {'.'.join(path[:i + 1])!r} does not exist "
+                     f"(setting {dotted!r})")
     node = node[p]
-  node[last] = value
+  if last not in node:
+    raise KeyError(f"config field {dotted!r} does not exist")
+  node[last] = _parsed(node[last], value, dotted)
+
+
+def _parsed(current, value, dotted: str):
+  """``value`` in the type of the field's ``current`` value, when given as text."""
+  if not isinstance(value, str) or isinstance(current, str) or current is None:
+    return value
+  try:
+    if isinstance(current, bool):
+      if value.lower() not in ("1", "0", "true", "false"):
+        raise ValueError(value)
+      return value.lower() in ("1", "true")
+    if isinstance(current, (int, float)):
+      return type(current)(float(value) if isinstance(current, int) and "e" in value.lower()
+                           else value)
+    if isinstance(current, (tuple, list)):
+      items = [x.strip() for x in value.strip("()[] ").split(",") if x.strip()]
+      return tuple(float(x) if any(ch in x for ch in ".eE") else int(x) for x in items)
+  except ValueError:
+    raise ValueError(f"{dotted}={value!r}: expected a {type(current).__name__} like "
+                     f"{current!r}") from None
+  return value
 
 
 def get_config_for(arg: str, flavors: tuple = ()) -> tuple[mlc.ConfigDict, tuple]:

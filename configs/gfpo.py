@@ -19,6 +19,6 @@ def get_config(arg="tiny"):
     c.rl.gfpo_adaptive = True  # k from difficulty buckets of a rolling history
     c.rl.gfpo_k_map = (8, 8, 6, 4)
   # G = 16 at half the prompts: the same rollouts per step as the other algorithms
-  if c.variant == "tiny":  # the comparisons run at equal rollouts per step
+  if c.variant in base.EQUAL_ROLLOUT_VARIANTS:  # the comparisons run at equal rollouts per step
     c.rl.prompts_per_step = c.rl.prompts_per_step // 2
   return base.apply_common_flavors(c, flavors)

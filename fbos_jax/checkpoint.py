@@ -240,21 +240,43 @@ class Checkpointer:
     meta = _from_jsonable(self.manager.restore(
         step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     if expected_meta is not None:
-      saved_model = meta.get("model", {})
-      want = expected_meta.get("model", {})
-      diff = {k: (saved_model.get(k), want.get(k)) for k in set(saved_model) | set(want)
-              if k not in ("param_dtype", "compute_dtype", "remat", "hf_path", "tokenizer_path",
-                           "attention", "attention_block_q", "attention_block_kv")
-              and saved_model.get(k) != want.get(k)}
-      if diff:
-        fields = ", ".join(f"model.{k}: checkpoint={a!r} config={b!r}" for k, (a, b) in sorted(diff.items()))
-        raise CheckpointMismatchError(
-            f"The checkpoint at {self.directory}/{step} was written with a different model "
-            f"config ({fields}). Use another --workdir or the matching config.")
+      _check_model(meta.get("model", {}), expected_meta.get("model", {}),
+                   f"{self.directory}/{step}")
+    if expected_meta is not None:
+      _check_layout(meta.get("layout"), expected_meta.get("layout"), f"{self.directory}/{step}")
     restored = self.manager.restore(
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
                                       data=ocp.args.JsonRestore()))
     return restored["state"], _from_jsonable(restored["data"]), meta
+
+  def restore_params(self, step: Optional[int], abstract_params: Any,
+                     expected_meta: Optional[dict] = None):
+    """Only the params of checkpoint ``step`` (newest if None), into
+    ``abstract_params`` (ShapeDtypeStructs with the target shardings): what
+    eval and export need, whatever the rest of the state's layout (staleness,
+    KL reference, optimizer) was. A model-config mismatch names the field and
+    both values. Returns (params, step, meta)."""
+    step = self.latest_step() if step is None else int(step)
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint in {self.directory}")
+    meta = _from_jsonable(self.manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    if expected_meta is not None:
+      _check_model(meta.get("model", {}), expected_meta.get("model", {}),
+                   f"{self.directory}/{step}")
+    restored = self.manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item={"params": abstract_params}, partial_restore=True,
+            restore_args=jax.tree.map(
+                lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype),
+                {"params": abstract_params}))))
+    return restored["state"]["params"], step, meta
+
+  def check(self):
+    """Raise the error of a failed asynchronous save (e.g. a full disk), if any."""
+    check = getattr(self.manager, "check_for_errors", None)
+    if check is not None:
+      check()
 
   def wait(self):
     self.manager.wait_until_finished()
@@ -262,6 +284,40 @@ class Checkpointer:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+_MODEL_FIELDS_IGNORED = ("param_dtype", "compute_dtype", "remat", "hf_path", "tokenizer_path",
+                         "attention", "attention_block_q", "attention_block_kv")
+
+
+def _check_model(saved: dict, want: dict, where: str):
+  """The model fields that shape the params must match: raise naming each one."""
+  diff = {k: (saved.get(k), want.get(k)) for k in set(saved) | set(want)
+          if k not in _MODEL_FIELDS_IGNORED and saved.get(k) != want.get(k)}
+  if diff:
+    fields = ", ".join(f"model.{k}: checkpoint={a!r} config={b!r}"
+                       for k, (a, b) in sorted(diff.items()))
+    raise CheckpointMismatchError(
+        f"The checkpoint at {where} was written with a different model config ({fields}). "
+        "Use another --workdir or the matching config.")
+
+
+def _check_layout(saved: Optional[dict], want: Optional[dict], where: str):
+  """The fields that shape the rest of the TrainState (``fbos_jax.rl.state.layout``)
+  must match for a resume: raise naming each one and both values. Checkpoints
+  written before the layout was recorded are not checked."""
+  if not saved or not want:
+    return
+  diff = {k: (saved.get(k), want.get(k)) for k in set(saved) | set(want)
+          if saved.get(k) != want.get(k)}
+  if diff:
+    fields = ", ".join(f"{k}: checkpoint={a!r} config={b!r}" for k, (a, b) in sorted(diff.items()))
+    raise CheckpointMismatchError(
+        f"The checkpoint at {where} holds a training state of another layout ({fields}): "
+        "these fields decide what the state holds (stale params, the KL reference, the GFPO "
+        "history, the optimizer state), so it cannot resume this config. Use another "
+        "--workdir, or set the fields back; eval and export read only the params and are "
+        "not affected.")
 
 
 def abstract_with_shardings(tree: Any, mesh=None) -> Any:
@@ -277,8 +333,3 @@ def abstract_with_shardings(tree: Any, mesh=None) -> Any:
       sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
   return jax.tree.map(target, tree)
-
-
-def write_json(path: str, obj: Any):
-  with open(path, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)

@@ -121,6 +121,7 @@ def default_data_config() -> ml_collections.ConfigDict:
       "num_epochs": 0,  # 0 = repeat forever
       "prompt_field": "prompt",
       "answer_field": "answer",
+      "solution_field": "",  # SFT demonstrations: this field of a record (else the answer)
       "id_field": "id",
       "max_prompt_chars": 0,  # 0 = no limit
       "max_prompt_tokens": 0,  # 0 = no limit; needs a tokenizer
@@ -675,3 +676,45 @@ def make_prompt_iterator(
       fingerprint=_fingerprint(cfg, process_index, process_count, batch_size),
       fingerprint_fields=_fingerprint_fields(cfg, process_index, process_count,
                                              batch_size))
+
+
+def held_out_examples(data_config, num_prompts: int, *, process_index: int = 0,
+                      process_count: int = 1) -> list:
+  """This host's share of the fixed held-out set (the eval split, unshuffled):
+  ``num_prompts`` (``train.eval_prompts``) examples in all.
+
+  A procedural held-out set holds ``train.eval_prompts`` *distinct* problems:
+  drawing by index repeats the problems of a small part of the space (the 1-digit
+  sums' eval split has 9 problems, which made up 116 of 256 draws), and one
+  problem counted dozens of times swamps the accuracy. Every host builds the same
+  list and takes an equal slice of it."""
+  n = int(num_prompts)
+  if n <= 0:
+    return []
+  dc = default_data_config()
+  dc.update(data_config.to_dict())
+  dc.split = "eval"
+  dc.shuffle = False
+  dc.num_epochs = 1
+  dc.drop_remainder = False  # a held-out split smaller than the batch is still used
+  if dc.source == "procedural":
+    dc.num_examples = 8 * n
+    unique: dict = {}
+    for batch in make_prompt_iterator(dc, batch_size=n, process_index=0,
+                                               process_count=1):
+      for ex in batch:
+        unique.setdefault(ex["prompt"], ex)
+      if len(unique) >= n:
+        break
+    examples = list(unique.values())[:n]
+    if len(examples) < n:
+      logging.warning("held-out set: %d distinct problems (train.eval_prompts=%d); the "
+                      "task's eval split is smaller", len(examples), n)
+    share = len(examples) // process_count
+    return examples[process_index * share:(process_index + 1) * share]
+  it = make_prompt_iterator(dc, batch_size=max(n // process_count, 1),
+                                     process_index=process_index, process_count=process_count)
+  try:
+    return list(next(it))
+  except StopIteration:
+    return []

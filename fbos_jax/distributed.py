@@ -288,15 +288,18 @@ def select_process_state(saved: Any, *, what: str = "data iterator state") -> An
 # ----------------------------------------------------------------------------- mesh checks
 
 
-def check_mesh(mesh, batch_axes: Sequence[str] = ("dcn", "data", "fsdp")) -> None:
+def check_mesh(mesh, batch_axes: Sequence[str] = ()) -> None:
   """A mesh used with process-local batches must put every process's devices on
-  a contiguous block of the batch axes of its own (then each host's rows form a
+  a contiguous block of the batch axes (``batch_axes``; default the default
+  rules' "batch" entry) of its own (then each host's rows form a
   contiguous slice of the global batch). Raises ``ProcessMeshError`` naming the
   mesh and the processes otherwise. A no-op in a single process."""
   pc = jax.process_count()
   if pc == 1:
     return
+  from fbos_jax import sharding as sh
   from jax.sharding import NamedSharding, PartitionSpec
+  batch_axes = tuple(batch_axes) or sh.batch_axes()
   axes = tuple(a for a in batch_axes if a in mesh.shape)
   shards = math.prod(mesh.shape[a] for a in axes)
   desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())

@@ -7,6 +7,8 @@ accumulate its moments in bf16.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -14,9 +16,14 @@ import optax
 SCHEDULES = ("constant", "cosine")
 
 
-def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
-  """AdamW with linear warmup, a constant or cosine (to 0.1 x lr) schedule and
-  global-norm clipping (``optim.grad_clip``; 0 = off)."""
+@functools.lru_cache(maxsize=None)
+def make_optimizer(optim_cfg) -> optax.GradientTransformation:
+  """AdamW with linear warmup, a constant or cosine (to 0.1 x lr) schedule over
+  ``optim_cfg.total_steps`` and global-norm clipping (``optim.grad_clip``; 0 = off).
+
+  ``optim_cfg``: a :class:`fbos_jax.rl.config.OptimConfig` (frozen): one
+  optimizer object per config, so the programs built on it are shared."""
+  total_steps = int(optim_cfg.total_steps)
   warm = max(int(optim_cfg.warmup_steps), 0)
   lr = float(optim_cfg.learning_rate)
   if optim_cfg.schedule == "cosine":
@@ -28,7 +35,7 @@ def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
     ) if warm else optax.constant_schedule(lr)
   else:
     raise ValueError(f"optim.schedule={optim_cfg.schedule!r}; expected one of {SCHEDULES}.")
-  mu_dtype = jnp.dtype(optim_cfg.get("opt_state_dtype", "float32"))
+  mu_dtype = jnp.dtype(optim_cfg.opt_state_dtype)
   chain = []
   if optim_cfg.grad_clip and optim_cfg.grad_clip > 0:
     chain.append(optax.clip_by_global_norm(float(optim_cfg.grad_clip)))
@@ -40,6 +47,6 @@ def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
 def init_opt_state(optimizer: optax.GradientTransformation, params, optim_cfg):
   """Optimizer state with both Adam moments in ``optim.opt_state_dtype`` (the
   state dtype rule above), whatever the params' dtype."""
-  dt = jnp.dtype(optim_cfg.get("opt_state_dtype", "float32"))
+  dt = jnp.dtype(optim_cfg.opt_state_dtype)
   return optimizer.init(jax.tree.map(
       lambda p: p.astype(dt) if jnp.issubdtype(p.dtype, jnp.floating) else p, params))

@@ -119,6 +119,11 @@ class SamplingConfig:
   pad_id: id written to padding (prompt left padding, response after a stop).
   layer_loop: 'auto' | 'unroll' | 'scan' (see the module docstring).
   cache_dtype: KV-cache dtype; default the model's compute dtype.
+  vocab_limit: > 0: only ids below it can be drawn (the tokenizer's size; a
+    checkpoint's embedding often has more rows than its tokenizer has tokens,
+    e.g. Qwen3's 151,936 for ~151,670), and the reported log-probs are of that
+    restricted distribution (the trainer's ``LossConfig.vocab_limit``
+    restricts its log-probs the same way). 0 = the whole vocabulary.
   decode_phases: the decode loop runs as up to this many consecutive loops, each
     over a KV cache just long enough for the slots filled by its end (see
     :func:`decode_phase_lengths`), so attention reads only (about) the filled
@@ -138,6 +143,7 @@ class SamplingConfig:
   layer_loop: str = "auto"
   cache_dtype: Optional[str] = None
   decode_phases: int = 4
+  vocab_limit: int = 0
 
   @property
   def is_greedy(self) -> bool:
@@ -171,7 +177,16 @@ class SamplingConfig:
       b = getattr(self, name)
       if not b or any(int(x) <= 0 for x in b):
         bad(f"{name}={b!r} must be a non-empty tuple of positive sizes.")
+    if int(self.vocab_limit) < 0 or (vocab_size is not None
+                                     and int(self.vocab_limit) > vocab_size):
+      bad(f"vocab_limit={self.vocab_limit} must be in [0, {vocab_size}] (0 = the whole "
+          "vocabulary).")
     if vocab_size is not None:
+      limit = int(self.vocab_limit) or vocab_size
+      for s in self.stop_token_ids:
+        if not 0 <= int(s) < limit:
+          bad(f"stop_token_ids contains {s}, outside the drawable ids [0, {limit}) "
+              "(vocab_limit: the tokenizer's size).")
       for s in self.stop_token_ids:
         if not 0 <= int(s) < vocab_size:
           bad(f"stop_token_ids contains {s}, outside the vocabulary [0, {vocab_size}).")
@@ -403,6 +418,17 @@ class _Static:
   unroll: bool
   cache_dtype: Optional[str]
   decode_phases: int
+  vocab_limit: int = 0
+
+
+def restrict_vocab(logits, vocab_limit: int):
+  """[..., V] logits with the ids >= ``vocab_limit`` at -inf (never drawn, and out
+  of the normaliser); unchanged when ``vocab_limit`` is 0 or V."""
+  v = logits.shape[-1]
+  if not vocab_limit or vocab_limit >= v:
+    return logits
+  ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  return jnp.where(ids < vocab_limit, logits, -jnp.inf)
 
 
 def _rules_key(rules):
@@ -448,7 +474,8 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
     return jax.tree.map(con, c, axes, is_leaf=lambda x: isinstance(x, jax.Array))
 
   def logits_of(h):  # [B, D] -> [B, V] float32 (same arithmetic as logits_from_hidden)
-    return jnp.einsum(spec, h, unembed, preferred_element_type=jnp.float32)
+    return restrict_vocab(jnp.einsum(spec, h, unembed, preferred_element_type=jnp.float32),
+                          st.vocab_limit)
 
   sample_ids = None
   if row_ids is not None and not st.greedy:
@@ -577,7 +604,7 @@ def get_generate_fn(cfg: qwen.ModelConfig, scfg: SamplingConfig, *, batch: int, 
                top_k=int(scfg.top_k), use_top_p=float(scfg.top_p) < 1.0,
                num_stop_slots=_stop_slots(len(scfg.stop_token_ids)),
                pad_id=int(scfg.pad_id), unroll=unroll, cache_dtype=scfg.cache_dtype,
-               decode_phases=int(scfg.decode_phases))
+               decode_phases=int(scfg.decode_phases), vocab_limit=int(scfg.vocab_limit))
   key = (cfg, st, int(batch), int(prompt_len), int(n_per_prompt), mesh, _rules_key(rules))
   with _LOCK:
     fn = _FNS.get(key)
@@ -655,6 +682,19 @@ def _agree_prompts(rows, scfg: SamplingConfig, vocab_size: int, mesh, allow_empt
   return rows, truncated, plen, offset, int(counts.max()), nproc
 
 
+def call_buckets(num_prompts: int, batch_buckets, shards: int = 1) -> list:
+  """The batch bucket of each program call that samples ``num_prompts`` prompts:
+  chunks of the largest bucket, each padded to the smallest bucket that holds it,
+  rounded up to a multiple of ``shards`` (this process's batch shards). The
+  shape model (``fbos_jax/rl/shapes.py``) reads the same function."""
+  max_b = max(int(b) for b in batch_buckets)
+  out = []
+  for ci in range(-(-int(num_prompts) // max_b)):
+    bb = buckets.pick_bucket(min(max_b, int(num_prompts) - ci * max_b), batch_buckets)
+    out.append(buckets.round_up(bb, max(int(shards), 1)))
+  return out
+
+
 def make_config(config: Optional[SamplingConfig] = None, **overrides) -> SamplingConfig:
   """``config`` (default SamplingConfig()) with keyword overrides; None values are ignored."""
   base = config or SamplingConfig()
@@ -712,10 +752,9 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
   # multi-process: each process's bucket is a multiple of its batch shards
   local_shards = sh.batch_shard_count(mesh) // nproc if multi else 1
   outs = []
-  for ci in range(-(-max_count // max_b)):  # the same chunks and buckets on every process
+  # the same chunks and buckets on every process
+  for ci, bb in enumerate(call_buckets(max_count, scfg.batch_buckets, local_shards)):
     chunk = rows[ci * max_b:(ci + 1) * max_b]
-    bb = buckets.pick_bucket(min(max_b, max_count - ci * max_b), scfg.batch_buckets)
-    bb = -(-bb // local_shards) * local_shards
     fn = get_generate_fn(cfg, scfg, batch=bb, prompt_len=plen, n_per_prompt=n, mesh=mesh,
                          rules=rules)
     toks, mask = buckets.left_pad(chunk, plen, scfg.pad_id, rows=bb)

@@ -21,7 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("dcn", "data", "fsdp", "tensor")
 
-# The default logical -> mesh rules. Order matters only for readability.
+# The default logical -> mesh rules (the config's ``mesh.rules`` starts as these,
+# ``configs/base.py``). Order matters only for readability. The batch axes are
+# the "batch" entry: every batch-sharded array, the batch shard count and the
+# process-local row blocks read them from the rules (:func:`batch_axes`).
 DEFAULT_RULES = (
     ("batch", ("dcn", "data", "fsdp")),
     ("vocab", "tensor"),
@@ -36,7 +39,6 @@ DEFAULT_RULES = (
     ("cache_seq", None),
 )
 
-BATCH_AXES = ("dcn", "data", "fsdp")
 
 
 class ShardingError(ValueError):
@@ -91,8 +93,9 @@ def make_abstract_mesh(mesh_cfg, num_devices: int) -> jax.sharding.AbstractMesh:
 
 
 def rules_dict(rules: Iterable) -> dict[str, Any]:
+  """Rules (pairs, or a dict) as {logical name: mesh axis, tuple of axes, or None}."""
   out = {}
-  for name, target in rules:
+  for name, target in (rules.items() if isinstance(rules, dict) else rules):
     if isinstance(target, list):
       target = tuple(target)
     out[str(name)] = target
@@ -186,16 +189,29 @@ def per_device_bytes(abstract_tree, specs, mesh) -> int:
   return total
 
 
-def batch_spec(rank: int, mesh=None, batch_size: Optional[int] = None) -> P:
-  """PartitionSpec for a [batch, ...] array: batch over (dcn, data, fsdp)."""
-  spec = P(BATCH_AXES, *([None] * (rank - 1)))
+def batch_axes(rules=None) -> tuple:
+  """The mesh axes of the logical "batch" axis in ``rules`` (default
+  :data:`DEFAULT_RULES`: dcn, data, fsdp)."""
+  target = rules_dict(DEFAULT_RULES if rules is None else rules).get("batch")
+  if target is None:
+    return ()
+  return (target,) if isinstance(target, str) else tuple(target)
+
+
+def batch_spec(rank: int, mesh=None, batch_size: Optional[int] = None, rules=None) -> P:
+  """PartitionSpec for a [batch, ...] array: batch over the rules' batch axes."""
+  axes = batch_axes(rules)
+  spec = P(axes or None, *([None] * (rank - 1)))
   if mesh is not None and batch_size is not None:
     spec = fit_spec(spec, (batch_size,) + (1,) * (rank - 1), mesh)
   return spec
 
 
-def batch_shard_count(mesh) -> int:
-  return math.prod(mesh.shape[a] for a in BATCH_AXES)
+def batch_shard_count(mesh, rules=None) -> int:
+  """How many shards the batch axis has on ``mesh`` (1 without a mesh)."""
+  if mesh is None:
+    return 1
+  return math.prod(mesh.shape[a] for a in batch_axes(rules) if a in mesh.shape)
 
 
 def constrain(x, mesh, logical_axes, rules):
@@ -206,12 +222,12 @@ def constrain(x, mesh, logical_axes, rules):
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
-def put_process_local(local: np.ndarray, mesh) -> jax.Array:
+def put_process_local(local: np.ndarray, mesh, rules=None) -> jax.Array:
   """Place this process's rows of a [batch, ...] array as a global array sharded
   over the batch axes (``jax.make_array_from_process_local_data``): every host
   contributes its own shard, nothing is gathered to one host."""
   local = np.asarray(local)
-  spec = batch_spec(local.ndim)
+  spec = batch_spec(local.ndim, rules=rules)
   global_rows = local.shape[0] * jax.process_count()
   spec = fit_spec(spec, (global_rows,) + local.shape[1:], mesh)
   sharding = NamedSharding(mesh, spec)

@@ -477,7 +477,7 @@ def longest_feedback_chars(task: str | Sequence[str], max_difficulty: int,
   """An upper bound on the feedback (characters) the procedural verifier can
   write for any response of at most ``response_chars`` characters to a problem
   of the families ``task`` up to ``max_difficulty``: the longest prompt of a
-  feedback-augmented prompt budget (``fbos_jax.rl.env.longest_fap_tokens``).
+  feedback-augmented prompt budget (``fbos_jax.rl.fap_budget.longest_fap_tokens``).
   ``reveals_answer``: ``data.feedback_reveals_answer`` appends the answer."""
   if style not in FEEDBACK_STYLES:
     raise ValueError(f"feedback style {style!r}; expected one of {FEEDBACK_STYLES}")

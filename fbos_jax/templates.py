@@ -32,7 +32,7 @@ cut):
 
 :meth:`PromptBuilder.longest_tokens` bounds a prompt kind's length from the
 longest pieces a task can produce, so a budget can be sized to cut nothing
-(``fbos_jax.rl.env.longest_fap_tokens``).
+(``fbos_jax.rl.fap_budget.longest_fap_tokens``).
 
 The aggregated (GOLF) prompt adds failed attempts **shortest response first**,
 greedily: an attempt whose block does not fit is skipped and the next one is

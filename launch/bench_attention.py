@@ -15,7 +15,7 @@ score matrix alone is 32 x T x T x 4 bytes. The last line of output is JSON.
 import json
 import time
 
-import _common  # noqa: F401
+from fbos_jax import cli
 import jax
 import jax.numpy as jnp
 from absl import app, flags

@@ -15,8 +15,6 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
-
 from absl import app, flags  # noqa: E402
 
 flags.DEFINE_integer("batch", 4, "B")

@@ -47,8 +47,6 @@ import tempfile
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

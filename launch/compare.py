@@ -27,7 +27,6 @@ Writes WORKDIR/compare.json (every number, the command, the note), compare.md
 (the tables) and compare.png (the curves).
 """
 
-import _common  # noqa: F401
 import dataclasses
 import json
 import math
@@ -39,6 +38,9 @@ import time
 
 import numpy as np
 from absl import app, flags, logging
+
+import configs
+from fbos_jax import cli
 
 flags.DEFINE_string("workdir", None, "Output directory.")
 flags.DEFINE_string("variant", "tiny", "Config variant every arm runs (tiny | tiny_hard | ...).")
@@ -114,31 +116,8 @@ def fix_buckets(rows_lists) -> tuple:
 
 
 def load_config(name, arg):
-  import importlib.util
-  path = os.path.join(_common.ROOT, "configs", f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(arg)
-
-
-def arm_config_arg(arm: Arm, variant: str) -> str:
-  return f"{variant},{arm.flavors}" if arm.flavors else variant
-
-
-def _set(c, key, value):
-  obj = c
-  *path, last = key.split(".")
-  for p in path:
-    obj = obj[p]
-  cur = obj[last]
-  if isinstance(cur, bool):
-    value = value in ("1", "true", "True", True)
-  elif isinstance(cur, (int, float)) and not isinstance(value, (int, float)):
-    value = type(cur)(value)
-  elif isinstance(cur, tuple) and isinstance(value, str):
-    value = tuple(int(x) for x in value.strip("()").split(",") if x.strip())
-  obj[last] = value
+  """configs/<name>.py:<arg>, through the one config loader."""
+  return configs.load(f"{name}:{arg}")
 
 
 def shared_setup(c, quick: bool):
@@ -156,7 +135,7 @@ def shared_setup(c, quick: bool):
   c.train.eval_every = 0
   for kv in FLAGS.set:
     k, _, v = kv.partition("=")
-    _set(c, k, v)
+    configs.set_field(c, k, v)
   return c
 
 
@@ -176,11 +155,11 @@ def run_one(label, arm: Arm, seed, sft_params, budget, max_steps, eval_every, wo
   wd = os.path.join(workdir, "runs", f"{label}_s{seed}")
   tr = RLTrainer(c, wd, init_params=sft_params)
   state = tr.init_state()
-  evals = tr.env.eval_examples()
+  evals = tr.eval_examples
   used, step = 0, 0
   rows = []
   k = c.train.eval_k  # greedy pass@1, plus pass@1 at T=1 over k samples (lower variance)
-  ev = tr.evaluate(state.params, evals, k=k, step=0)
+  ev = tr.evaluate(state, evals, k=k, step=0)
   rows.append({"step": 0, "rollouts": 0, **ev})
   t0 = time.perf_counter()
   done = (lambda: step >= max_steps) if arm.stop == "steps" else (lambda: used >= budget)
@@ -191,7 +170,7 @@ def run_one(label, arm: Arm, seed, sft_params, budget, max_steps, eval_every, wo
     row = {"step": step, "rollouts": used,
            **{k: v for k, v in m.items() if isinstance(v, (int, float))}}
     if step % eval_every == 0 or done():
-      row.update(tr.evaluate(state.params, evals, k=k, step=step))
+      row.update(tr.evaluate(state, evals, k=k, step=step))
     rows.append(row)
   tr.close()
   return {"label": label, "seed": seed, "rows": rows, "seconds": time.perf_counter() - t0,
@@ -276,8 +255,8 @@ def summarize(results, sft_len, budget=None):
          # runs logged before the metric existed fall back to the batch entropy: n/a
          "entropy_onpolicy": _stat(mean("policy/entropy_onpolicy")),
          "grad_norm": _stat(mean("policy/grad_norm")),
-         "grad_norm_epa": _stat(mean("grad_norm/epa", "policy/grad_norm_epa")),
-         "grad_norm_ecc": _stat(mean("grad_norm/ecc", "policy/grad_norm_ecc")),
+         "grad_norm_epa": _stat(mean("grad_norm/epa")),
+         "grad_norm_ecc": _stat(mean("grad_norm/ecc")),
          "response_length": _stat(ln), "all_equal_groups": _stat(mean("groups/all_equal_frac")),
          "all_fail_groups": _stat(mean("groups/all_fail_frac")),
          "fap_truncated": _stat(mean("fap/truncated_frac")),
@@ -388,8 +367,8 @@ def plot(results, out_png, title=""):
             ("rollouts", "policy/entropy_onpolicy", None, "entropy, on-policy round-1 rows"),
             ("rollouts", "policy/entropy", None, "entropy, whole EPA batch"),
             ("rollouts", "policy/grad_norm", None, "gradient norm (total)"),
-            ("rollouts", "grad_norm/epa", "policy/grad_norm_epa", "gradient norm, EPA term"),
-            ("rollouts", "grad_norm/ecc", "policy/grad_norm_ecc", "gradient norm, ECC term"),
+            ("rollouts", "grad_norm/epa", None, "gradient norm, EPA term"),
+            ("rollouts", "grad_norm/ecc", None, "gradient norm, ECC term"),
             ("rollouts", "feedback/fix_rate", None, "fix rate (round 2 fixes a failure)"),
             ("rollouts", "feedback/fix_rate_r1succ_0", None, "fix rate, groups with 0 round-1 successes"),
             ("rollouts", "groups/all_fail_frac", None, "all-fail groups (no GRPO signal)")]
@@ -455,7 +434,7 @@ def probe_warm_start(trainer, params, batches: int) -> dict:
   batches, no update: rates averaged over batches, fix rates pooled over rows."""
   import jax
   from fbos_jax.rl import rollout as rollout_lib
-  rows = [rollout_lib.probe_step(trainer.ctx, params, trainer.env.next_train_batch(),
+  rows = [rollout_lib.probe_step(trainer.ctx, params, next(trainer.train_iter),
                                  jax.random.fold_in(jax.random.key(2024), s), fap_mode="single")
           for s in range(batches)]
   out = {"batches": batches}
@@ -487,9 +466,9 @@ def warm_starts(seeds: list) -> tuple:
     cfg.seed = seed
     tag = "" if FLAGS.shared_warm_start else f"_s{seed}"
     tr = RLTrainer(cfg, os.path.join(FLAGS.workdir, f"warm_start{tag}"))
-    p, cached = sft_lib.warm_start(cfg, tr.env, tr.init_state().params, mesh=tr.mesh,
+    p, cached = sft_lib.warm_start(cfg, tr.ctx, tr.init_state(),
                                    cache_dir=os.path.join(FLAGS.workdir, f"sft{tag}"))
-    ev = tr.evaluate(p, tr.env.eval_examples(), k=cfg.train.eval_k)
+    ev = tr.evaluate(p, tr.eval_examples, k=cfg.train.eval_k)
     print(f"warm start (seed {seed}): held-out accuracy {ev['eval/accuracy']:.3f} (greedy), "
           f"{ev.get('eval/pass@1_sampled', float('nan')):.3f} (T=1), "
           f"length {ev['eval/length']:.2f} ({'cached' if cached else 'trained'})", flush=True)

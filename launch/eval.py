@@ -5,7 +5,7 @@ r"""Held-out pass@1 (greedy) and unbiased pass@k of a trained checkpoint.
   python launch/eval.py --config=configs/fbos.py:qwen3_0_6b --init_from_hf=/ckpt/Qwen3-0.6B \
       --workdir=/tmp/q
 """
-import _common  # noqa: F401
+from fbos_jax import cli
 import json
 
 from absl import app, flags
@@ -22,37 +22,15 @@ flags.DEFINE_string("console_verbosity", "warning", "Console log level; the full
 FLAGS = flags.FLAGS
 
 
-def evaluate(config, workdir: str, *, k: int = 1, step: int = -1, init_from_hf: str = "") -> dict:
-  """Held-out accuracy of checkpoint ``step`` (-1 = latest) of ``workdir``.
-
-  ``init_from_hf`` (or ``config.model.hf_path``): the model fields are set from
-  that directory's ``config.json`` (``apply_hf_config``) and its tokenizer is used.
-  """
-  from fbos_jax import tokenizer as tok_lib
-  from fbos_jax.model import hf
-  from fbos_jax.rl.trainer import RLTrainer
-  src = init_from_hf or config.model.get("hf_path", "")
-  if src:
-    config = hf.apply_hf_config(config, src)
-  tok_lib.resolve_tokenizer_path(config, workdir)  # a clear error before any work
-  trainer = RLTrainer(config, workdir, log_metrics=False)
-  try:
-    state = trainer.restore_train_state(None if step < 0 else step)
-    res = trainer.evaluate(state.params, trainer.env.eval_examples(), k=k, step=int(state.step))
-    res["step"] = int(state.step)
-    return res
-  finally:
-    trainer.close()
-
-
 def main(argv):
   del argv
   from fbos_jax import console
   console.setup_logging(FLAGS.workdir, verbosity=FLAGS.console_verbosity)
   from fbos_jax.model.hf import CheckpointError
+  from fbos_jax.rl import evaluation
   try:
-    res = evaluate(_CONFIG.value, FLAGS.workdir, k=FLAGS.k, step=FLAGS.step,
-                   init_from_hf=FLAGS.init_from_hf)
+    res = evaluation.evaluate_checkpoint(_CONFIG.value, FLAGS.workdir, k=FLAGS.k,
+                                         step=FLAGS.step, init_from_hf=FLAGS.init_from_hf)
   except (FileNotFoundError, CheckpointError) as e:  # no checkpoint / tokenizer / HF dir
     raise app.UsageError(str(e)) from None
   print(json.dumps(res, indent=2))
@@ -60,4 +38,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main, flags_parser=_common.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -11,7 +11,7 @@ The directory gets the safetensors, ``config.json`` (keys we do not own, such as
 ``config.json`` when the run came from one), the tokenizer files (copied verbatim
 from the run's tokenizer directory) and the source's ``generation_config.json``.
 """
-import _common  # noqa: F401
+from fbos_jax import cli
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -53,4 +53,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config", "workdir", "out"])
-  app.run(main, flags_parser=_common.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

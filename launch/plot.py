@@ -2,7 +2,7 @@ r"""Draw a workdir's metrics.jsonl to PNG curves.
 
   python launch/plot.py /tmp/fbos_tiny            # writes /tmp/fbos_tiny/metrics.png
 """
-import _common  # noqa: F401
+from fbos_jax import cli
 from absl import app, flags
 
 from fbos_jax import metrics

@@ -9,7 +9,7 @@ On a TPU pod every worker runs the same command; on a GPU cluster pass
 where they are read from the environment). See README "Scale-out".
 """
 
-import _common  # noqa: F401  (repo + kernels/ on sys.path)
+from fbos_jax import cli
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -112,4 +112,4 @@ def _compiled_dry_run(config, topology: str):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main, flags_parser=_common.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -57,8 +57,9 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from fbos_jax import sharding as sh
+
 IMPLEMENTATIONS = ("auto", "dense", "blocked", "pallas")
-BATCH_MESH_AXES = ("dcn", "data", "fsdp")  # fbos_jax.sharding.BATCH_AXES
 HEAD_MESH_AXIS = "tensor"
 LANES = 128  # splash attention tiles are multiples of the TPU lane width
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -352,7 +353,7 @@ def pallas(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False,
   from jax.sharding import PartitionSpec as P
   b, _, h, _ = q.shape
   kh = k.shape[1] if cache_layout else k.shape[2]
-  bat = _fit_axes(mesh, BATCH_MESH_AXES, b)
+  bat = _fit_axes(mesh, sh.batch_axes(), b)  # the default rules' batch axes
   hd = _fit_axes(mesh, (HEAD_MESH_AXIS,), h, kh)
   q_spec = P(bat, None, hd, None)
   if cache_layout:

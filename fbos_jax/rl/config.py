@@ -1,9 +1,20 @@
-"""From a config (``configs/*.py``, an ml_collections ConfigDict) to the library.
+"""From a config (``configs/*.py``, an ml_collections ConfigDict) to the run's typed parts.
 
 :func:`validate` rejects meaningless values and combinations before anything
-is built, naming every offending field. The ``*_config`` functions translate
-the config into the frozen dataclasses the library takes (hashable: they are
-part of the compiled programs).
+is built, naming every offending field. :func:`build_parts` then turns the
+config into the frozen (hashable) dataclasses the library takes, once per run:
+
+* ``model``: :class:`fbos_jax.model.qwen.ModelConfig`;
+* ``sampling``: one :class:`fbos_jax.sampling.SamplingConfig` per kind of
+  sampler call (``round1``, ``round2``, ``eval``, ``eval_sampled``);
+* ``rollout``: :class:`RolloutSpec`, what the rollout phases do;
+* ``update``: :class:`UpdateConfig`, the terms of the objective and the loop shape;
+* ``optim``: :class:`OptimConfig`.
+
+Nothing below this module reads ``config.sampling`` or ``config.rl``: the
+parts are handed down (:class:`fbos_jax.rl.context.RolloutContext` holds them).
+A field of ``sampling`` or ``rl`` that no part consumes is refused here, named
+(a typo in a config file would otherwise be ignored).
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ class LossConfig:
   temperature: float = 1.0  # log-probs are of the temperature-scaled policy
   time_chunk: int = 256
   vocab_chunk: int = 8192
+  vocab_limit: int = 0  # > 0: ids >= this (beyond the tokenizer) are never drawn; the
+  #                       log-probs and entropy are over the first vocab_limit ids, as sampled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +79,116 @@ class UpdateConfig:
   def batch_names(self) -> tuple:
     return tuple(t.batch for t in self.terms)
 
+  @property
+  def row_multiple(self) -> int:
+    """Rows of every batch divide by this (x the batch shards): the update splits them."""
+    return self.mini_batches * self.micro_batches
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with warm-up and a schedule (``fbos_jax/optim.py``); ``total_steps``
+  optimizer steps in the run (the schedule's length)."""
+  learning_rate: float
+  schedule: str = "constant"
+  warmup_steps: int = 0
+  b1: float = 0.9
+  b2: float = 0.999
+  weight_decay: float = 0.0
+  grad_clip: float = 0.0
+  opt_state_dtype: str = "float32"
+  total_steps: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  """What one step's rollout does (``fbos_jax/rl/rollout.py``), with the
+  largest shapes it can produce (``fbos_jax/rl/shapes.py``).
+
+  prompts_per_step P, group_size n (round-1 rollouts per prompt), round2_size m.
+  """
+  prompts_per_step: int
+  group_size: int
+  prompt: str = "plain"  # plain | fcp
+  fcp_positive_feedback: str = "correct"
+  round2: bool = False
+  round2_size: int = 8
+  fap_from: str = "failed"
+  fap_mode: str = "single"
+  epa_select: str = "correct"
+  epa_mode: str = "append"
+  epa_trigger: str = "always"
+  epa_tau: float = -1.0  # -1 = 1/n
+  epa_max_per_prompt: int = 8
+  ecc_advantage: str = "group"
+  advantage: str = "grpo"
+  adv_eps: float = 1e-6
+  gfpo_k: int = 0
+  gfpo_metric: str = "length"
+  gfpo_adaptive: bool = False
+  gfpo_k_map: tuple = (8, 8, 6, 4)
+  gfpo_history: int = 256
+  fixed_row_buckets: bool = False
+  staleness: int = 0
+  success_threshold: float = 1.0
+  terms: tuple = ()  # the update's terms (which batches the rollout builds)
+
+  @property
+  def gfpo(self) -> bool:
+    return bool(self.gfpo_k or self.gfpo_adaptive)
+
+  @property
+  def tau(self) -> float:
+    return self.epa_tau if self.epa_tau >= 0 else 1.0 / self.group_size
+
+  @property
+  def batch_names(self) -> tuple:
+    return tuple(t.batch for t in self.terms)
+
+  @property
+  def epa_extra(self) -> int:
+    """Rows appended per EPA group (feedback-guided rollouts pulled back onto q)."""
+    return self.epa_max_per_prompt if (self.round2 and self.epa_mode == "append") else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParts:
+  """The sampler settings of each kind of call (``fbos_jax.sampling.SamplingConfig``):
+  ``round1`` (the prompts q, or FCP's), ``round2`` (FAPs / aggregated prompts:
+  ``sampling.fap_prompt_buckets``), ``eval`` (``sampling.eval_temperature``,
+  greedy by default) and ``eval_sampled`` (pass@k, temperature 1)."""
+  round1: object
+  round2: object
+  eval: object
+  eval_sampled: object
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+  """The run's typed parts, built once by :func:`build_parts` and handed down."""
+  model: object  # fbos_jax.model.qwen.ModelConfig
+  sampling: SamplingParts
+  rollout: RolloutSpec
+  update: UpdateConfig
+  optim: OptimConfig
+  seed: int = 0
+
+
+class _Reads:
+  """A config section that records which fields were read (unread ones are unknown)."""
+
+  def __init__(self, section, name: str):
+    self._section, self._name, self.read = section, name, set()
+
+  def __getattr__(self, field):
+    if field.startswith("_") or field == "read":
+      raise AttributeError(field)
+    self.read.add(field)
+    return self._section[field]
+
+  def unknown(self, also_known=()) -> list:
+    return sorted(set(self._section.keys()) - self.read - set(also_known))
+
 
 def terms_of(config) -> tuple:
   """The active terms (weight > 0) of ``config.rl.terms``, in a fixed order."""
@@ -77,29 +200,102 @@ def terms_of(config) -> tuple:
   return tuple(out)
 
 
-def loss_config(config) -> LossConfig:
-  rl = config.rl
+def _loss_config(rl, sampling, vocab_limit: int) -> LossConfig:
   return LossConfig(
       loss_agg=rl.loss_agg, eps_low=float(rl.eps_low), eps_high=float(rl.eps_high),
       dual_clip=float(rl.dual_clip), offpolicy_lambda=float(rl.offpolicy_lambda),
       offpolicy_ratio_denominator=rl.offpolicy_ratio_denominator,
       behav_weight_cap=float(rl.behav_weight_cap), kl_beta=float(rl.kl_beta),
       kl_kind=rl.kl_kind, entropy_coef=float(rl.entropy_coef),
-      temperature=float(config.sampling.temperature) or 1.0)
+      temperature=float(sampling.temperature) or 1.0, vocab_limit=int(vocab_limit))
 
 
-def update_config(config) -> UpdateConfig:
-  rl = config.rl
-  return UpdateConfig(terms=terms_of(config), loss=loss_config(config),
+def _update_config(config, rl, sampling, vocab_limit: int) -> UpdateConfig:
+  return UpdateConfig(terms=terms_of(config), loss=_loss_config(rl, sampling, vocab_limit),
                       epochs=max(int(rl.ppo_epochs), 1), mini_batches=max(int(rl.mini_batches), 1),
                       micro_batches=max(int(rl.micro_batches), 1),
                       schedule=rl.objective_schedule, skip_nonfinite=bool(rl.skip_nonfinite))
 
 
-def sft_update_config(config, num_terms: int = 2) -> UpdateConfig:
-  """SFT names its own terms: plain demonstrations and corrections on FAPs, both MLE."""
-  terms = (Term("demos", "mle", 1.0), Term("corrections", "mle", 1.0))[:num_terms]
-  return UpdateConfig(terms=terms, loss=LossConfig(temperature=1.0))
+def optim_config(section, total_steps: int, **overrides) -> OptimConfig:
+  """``config.optim`` (or an SFT variant of it: ``overrides``) as an :class:`OptimConfig`."""
+  fields = {f.name for f in dataclasses.fields(OptimConfig)} - {"total_steps"}
+  kw = {k: section[k] for k in fields if k in section}
+  kw.update(overrides)
+  return OptimConfig(total_steps=int(total_steps), **kw)
+
+
+def _rollout_spec(config, rl, terms) -> RolloutSpec:
+  names = [f.name for f in dataclasses.fields(RolloutSpec)
+           if f.name not in ("success_threshold", "terms")]
+  kw = {k: getattr(rl, k) for k in names}
+  kw["gfpo_k_map"] = tuple(int(k) for k in kw["gfpo_k_map"])
+  return RolloutSpec(success_threshold=float(config.verifier.success_threshold), terms=terms, **kw)
+
+
+def _sampling_parts(sampling, *, pad_id: int, stop_ids: tuple, vocab_limit: int) -> SamplingParts:
+  from fbos_jax import sampling as sampling_lib
+  batch = tuple(int(b) for b in sampling.batch_buckets) or sampling_lib.DEFAULT_BATCH_BUCKETS
+  round1 = sampling_lib.SamplingConfig(
+      max_new_tokens=int(sampling.max_new_tokens), temperature=float(sampling.temperature),
+      top_k=int(sampling.top_k), top_p=float(sampling.top_p),
+      stop_token_ids=tuple(dict.fromkeys(int(s) for s in stop_ids)),
+      prompt_buckets=tuple(int(b) for b in sampling.prompt_buckets), batch_buckets=batch,
+      pad_id=int(pad_id), vocab_limit=int(vocab_limit))
+  r = dataclasses.replace
+  return SamplingParts(
+      round1=round1,
+      round2=r(round1, prompt_buckets=tuple(int(b) for b in sampling.fap_prompt_buckets)),
+      eval=r(round1, temperature=float(sampling.eval_temperature)),
+      eval_sampled=r(round1, temperature=1.0))
+
+
+def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
+                vocab_limit: int = 0) -> RunParts:
+  """The run's typed parts from ``config``, once.
+
+  pad_id, eos_id: the tokenizer's (the stop ids are EOS + ``sampling.stop_token_ids``);
+  vocab_limit: the tokenizer's size (0 = the model's whole vocabulary), so that
+  ids beyond the tokenizer are never drawn and log-probs are over the same ids.
+  Raises ValueError naming any ``sampling.*`` / ``rl.*`` field no part consumes."""
+  from fbos_jax.model import qwen
+  rl, sampling = _Reads(config.rl, "rl"), _Reads(config.sampling, "sampling")
+  model = qwen.ModelConfig.from_dict(config.model)
+  limit = int(vocab_limit) if vocab_limit and int(vocab_limit) < model.vocab_size else 0
+  stop_ids = ((int(eos_id),) if eos_id is not None else ()) + tuple(
+      int(s) for s in sampling.stop_token_ids)
+  update = _update_config(config, rl, sampling, limit)
+  parts = RunParts(
+      model=model,
+      sampling=_sampling_parts(sampling, pad_id=pad_id, stop_ids=stop_ids, vocab_limit=limit),
+      rollout=_rollout_spec(config, rl, update.terms),
+      update=update,
+      optim=optim_config(config.optim, int(config.train.steps) * update.epochs
+                         * update.mini_batches),
+      seed=int(config.seed))
+  bad = ([f"sampling.{k}" for k in sampling.unknown()]
+         + [f"rl.{k}" for k in rl.unknown(also_known=("terms",))])
+  if bad:
+    raise ValueError(f"unknown config field(s) {', '.join(bad)}: nothing reads them (a typo?); "
+                     "the fields and their defaults are in configs/base.py")
+  return parts
+
+
+def with_checkpoint_model(config, init_from_hf: str = ""):
+  """The run's config with the architecture (and stop ids) of the HF checkpoint
+  ``init_from_hf`` or ``model.hf_path``: the file wins over a preset, so a model
+  is never built with another checkpoint's rope_theta or norm eps, and every
+  entry point (train, eval, export) stops where the checkpoint's generation
+  config says (Qwen3: ``<|im_end|>`` and ``<|endoftext|>``)."""
+  from fbos_jax.model import hf
+  src = init_from_hf or config.model.hf_path
+  if not src:
+    return config
+  config = hf.apply_hf_config(config, src)
+  if not tuple(config.sampling.stop_token_ids):
+    with config.unlocked():
+      config.sampling.stop_token_ids = tuple(hf.generation_stop_ids(src))
+  return config
 
 
 # ----------------------------------------------------------------------------- validation

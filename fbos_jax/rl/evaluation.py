@@ -7,11 +7,12 @@ import numpy as np
 
 from fbos_jax import distributed
 from fbos_jax.rl import assemble
-from fbos_jax.rl.rollout import RolloutContext, prompt_ids
+from fbos_jax.rl.context import RolloutContext
 
 
-def evaluate(ctx: RolloutContext, params, examples: list, *, k: int = 1, step: int = 0) -> dict:
-  """Accuracy on ``examples`` (this host's share of the held-out set).
+def evaluate(ctx: RolloutContext, params, examples: list, *, key, k: int = 1) -> dict:
+  """Accuracy on ``examples`` (this host's share of the held-out set); ``key``:
+  the run's ``eval`` stream at this step (``fbos_jax.rl.state.stream_key``).
 
   * ``eval/accuracy``: one sample per prompt at ``sampling.eval_temperature``
     (greedy by default), and per difficulty level of procedural tasks
@@ -23,11 +24,11 @@ def evaluate(ctx: RolloutContext, params, examples: list, *, k: int = 1, step: i
   accuracies and counted in ``eval/verifier_errors``; it is never scored as wrong.
   """
   thr = ctx.threshold
-  ids = [prompt_ids(ctx, ex) for ex in examples]
-  key = jax.random.key(10_000 + step)
-  tokens, mask, logp, lengths, texts = ctx.sample(
-      params, ids, 1, key, temperature=ctx.config.sampling.eval_temperature)
-  rewards, _, errors, _ = ctx.env.verify(examples, texts)
+  ids = [ctx.prompt_ids(ex) for ex in examples]
+  k_greedy, k_sampled = jax.random.split(key)
+  tokens, mask, logp, lengths, texts = ctx.sample(params, ids, 1, k_greedy,
+                                                  ctx.parts.sampling.eval)
+  rewards, _, errors, _ = ctx.verify(examples, texts)
   ok = ~errors
   solved = rewards >= thr
   out = {"eval/accuracy": float(solved[ok].mean()) if ok.any() else float("nan"),
@@ -38,8 +39,8 @@ def evaluate(ctx: RolloutContext, params, examples: list, *, k: int = 1, step: i
     sel = (levels == d) & ok
     out[f"eval/accuracy_d{d}"] = float(solved[sel].mean()) if sel.any() else float("nan")
   if k > 1:
-    _, _, _, _, texts_k = ctx.sample(params, ids, k, key, temperature=1.0)
-    rewards_k, _, errors_k, _ = ctx.env.verify([ex for ex in examples for _ in range(k)],
+    texts_k = ctx.sample(params, ids, k, k_sampled, ctx.parts.sampling.eval_sampled).texts
+    rewards_k, _, errors_k, _ = ctx.verify([ex for ex in examples for _ in range(k)],
                                                texts_k)
     correct = ((rewards_k >= thr) & ~errors_k).reshape(len(examples), k)
     usable = (~errors_k).reshape(len(examples), k).sum(1)
@@ -47,3 +48,33 @@ def evaluate(ctx: RolloutContext, params, examples: list, *, k: int = 1, step: i
     out[f"eval/pass@{k}"] = float(np.mean([assemble.pass_at_k(u, c, k) for u, c in rows]))
     out["eval/pass@1_sampled"] = float(np.mean([assemble.pass_at_k(u, c, 1) for u, c in rows]))
   return distributed.mean_over_processes(out)  # every host holds an equal share
+
+
+def evaluate_checkpoint(config, workdir: str, *, k: int = 1, step: int = -1,
+                        init_from_hf: str = "") -> dict:
+  """Held-out accuracy of checkpoint ``step`` (-1 = latest) of ``workdir``: only
+  its params are restored (``fbos_jax.rl.run.restore_params``), on the config's
+  mesh, with the run's generation stop ids (``init_from_hf`` or
+  ``model.hf_path``: the checkpoint's architecture, tokenizer and stop ids, as
+  in training). The pass@k draws come from the run's ``eval`` stream at that
+  step, so they are the ones the training loop's eval made."""
+  from fbos_jax import data as data_lib
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl import config as config_lib
+  from fbos_jax.rl import state as state_lib
+  from fbos_jax.rl.run import restore_params
+  config = config_lib.with_checkpoint_model(config, init_from_hf)
+  mesh = sh.make_mesh(config.mesh)
+  ctx = RolloutContext.build(config, workdir, mesh=mesh, check_budget=False)
+  try:
+    params, restored = restore_params(config, workdir, step=step, mesh=mesh)
+    examples = data_lib.held_out_examples(config.data, config.train.eval_prompts,
+                                          process_index=jax.process_index(),
+                                          process_count=jax.process_count())
+    key = state_lib.stream_key(state_lib.root_rng(ctx.parts.seed), "eval", restored)
+    with jax.set_mesh(mesh):
+      out = evaluate(ctx, params, examples, key=key, k=k)
+    out["step"] = restored
+    return out
+  finally:
+    ctx.close()

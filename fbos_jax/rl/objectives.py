@@ -16,12 +16,18 @@ on its own and sums them for the optimizer step (``grad_norm_<term>`` next to
 ``<term>_entropy_onpolicy`` over its on-policy rows only: for ``epa`` the
 round-1 rollouts without the feedback-guided rows EPA appends
 (:data:`ROUND1_BATCH`; logged as ``policy/entropy_onpolicy``).
+
+A term's result is a small typed pytree (:class:`TermStats`); the update adds
+its gradient norm and token count (:class:`TermMetrics`), and one rule,
+:func:`log_metrics`, names them for the logs (``loss/<term>``,
+``grad_norm/<term>``, ``policy/<term>_entropy``, ...).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -30,17 +36,79 @@ from fbos_jax.model import qwen
 from fbos_jax.rl.batch import PolicyBatch
 from fbos_jax.rl.config import LossConfig, UpdateConfig
 
-METRICS_PER_TERM = ("loss", "entropy", "entropy_onpolicy", "kl", "clipfrac")
 ROUND1_BATCH = "epa"  # the batch whose on-policy rows are the round-1 rollouts on q
+
+
+@flax.struct.dataclass
+class TermStats:
+  """One term's scalars on one micro-batch, each already divided by its
+  whole-(mini-)batch denominator (so they add up over micro-batches): the
+  policy loss (unweighted), entropy (all rows and on-policy rows), KL to the
+  reference, and the clipped-token fraction."""
+  loss: jax.Array
+  entropy: jax.Array
+  entropy_onpolicy: jax.Array
+  kl: jax.Array
+  clipfrac: jax.Array
+
+  @classmethod
+  def zeros(cls) -> "TermStats":
+    return cls(*(jnp.zeros(()) for _ in range(5)))
+
+
+@flax.struct.dataclass
+class TermMetrics:
+  """A term's metrics over an update: its :class:`TermStats`, the norm of its
+  weighted gradient, and the tokens its loss was over."""
+  stats: TermStats
+  grad_norm: jax.Array
+  tokens: jax.Array
+
+
+@flax.struct.dataclass
+class UpdateMetrics:
+  """What the update returns besides the state: per-term metrics, the total
+  loss and gradient norm, and whether every optimizer step was finite (1/0)."""
+  terms: dict  # {term.batch: TermMetrics}
+  loss: jax.Array
+  grad_norm: jax.Array
+  finite: jax.Array
+
+
+def log_metrics(m: UpdateMetrics, term_order: tuple) -> dict:
+  """The one naming rule of the update's metrics in the logs: ``loss/<term>``,
+  ``grad_norm/<term>``, ``policy/<term>_{entropy,entropy_onpolicy,kl,clipfrac,
+  tokens}``, the totals ``policy/{loss,grad_norm,finite}`` and the first term's
+  ``policy/{entropy,kl,clipfrac}`` (``policy/entropy_onpolicy``: EPA's round-1
+  rows, :data:`ROUND1_BATCH`)."""
+  m = jax.device_get(m)
+  out = {"policy/loss": float(m.loss), "policy/grad_norm": float(m.grad_norm),
+         "policy/finite": float(m.finite)}
+  for name, t in m.terms.items():
+    out[f"loss/{name}"] = float(t.stats.loss)
+    out[f"grad_norm/{name}"] = float(t.grad_norm)
+    out[f"policy/{name}_tokens"] = float(t.tokens)
+    for field in ("entropy", "entropy_onpolicy", "kl", "clipfrac"):
+      out[f"policy/{name}_{field}"] = float(getattr(t.stats, field))
+  if term_order:
+    first = m.terms[term_order[0]].stats
+    out.update({"policy/entropy": float(first.entropy), "policy/kl": float(first.kl),
+                "policy/clipfrac": float(first.clipfrac)})
+  if ROUND1_BATCH in m.terms:
+    out["policy/entropy_onpolicy"] = float(m.terms[ROUND1_BATCH].stats.entropy_onpolicy)
+  return out
 
 
 def sequence_logprobs(params, cfg: qwen.ModelConfig, batch: PolicyBatch, *,
                       temperature: float = 1.0, time_chunk: int = 256,
-                      vocab_chunk: int = 8192, compute_entropy: bool = True):
+                      vocab_chunk: int = 8192, compute_entropy: bool = True,
+                      vocab_limit: int = 0):
   """Teacher-forced log-probs of the response tokens.
 
-  Returns (logp [N, R], entropy [N, R]) of the temperature-scaled policy,
-  computed from hidden states without materialising [N, R, V] logits.
+  Returns (logp [N, R], entropy [N, R]) of the temperature-scaled policy over
+  the ids below ``vocab_limit`` (0: all; the sampler's ``vocab_limit``, so the
+  log-probs are of the distribution it drew from), computed from hidden states
+  without materialising [N, R, V] logits.
   """
   hidden, _ = qwen.forward(params, batch.tokens, batch.attn_mask, cfg)
   p, r = batch.prompt_len, batch.response_len
@@ -49,7 +117,7 @@ def sequence_logprobs(params, cfg: qwen.ModelConfig, batch: PolicyBatch, *,
   return K.token_logprobs_and_entropy(
       h, qwen.unembed_matrix(params, cfg).astype(cfg.dtype), targets,
       temperature=temperature, time_chunk=min(time_chunk, r), vocab_chunk=vocab_chunk,
-      compute_entropy=compute_entropy)
+      compute_entropy=compute_entropy, vocab_limit=vocab_limit)
 
 
 def _onpolicy_mask(batch: PolicyBatch):
@@ -81,7 +149,8 @@ def term_sums(params, cfg: qwen.ModelConfig, batch: PolicyBatch, loss: str, lc: 
   clipped-token fraction. Scalars."""
   mask = batch.loss_mask
   logp, ent = sequence_logprobs(params, cfg, batch, temperature=lc.temperature,
-                                time_chunk=lc.time_chunk, vocab_chunk=lc.vocab_chunk)
+                                time_chunk=lc.time_chunk, vocab_chunk=lc.vocab_chunk,
+                                vocab_limit=lc.vocab_limit)
   loss_t, clipped = K.get_policy_loss(loss)(
       logp, old_logp=batch.old_logp, adv=batch.advantages, is_offpolicy=batch.is_offpolicy,
       prox_logp=prox_logp, mask=mask, **_hparams(lc))
@@ -92,7 +161,7 @@ def term_sums(params, cfg: qwen.ModelConfig, batch: PolicyBatch, loss: str, lc: 
   s_kl = jnp.zeros(())
   if ref_params is not None and lc.kl_beta > 0:
     ref_logp, _ = sequence_logprobs(ref_params, cfg, batch, temperature=lc.temperature,
-                                    compute_entropy=False)
+                                    compute_entropy=False, vocab_limit=lc.vocab_limit)
     kl = K.kl_penalty(logp, jax.lax.stop_gradient(ref_logp), kind=lc.kl_kind, mask=mask)
     s_kl, _ = K.aggregate(kl, mask, "token-mean")
   return dict(loss=s_loss, entropy=s_ent, entropy_onpolicy=s_ent_on, kl=s_kl, clipfrac=s_clip)
@@ -113,29 +182,12 @@ def term_objective(params, cfg: qwen.ModelConfig, batch: PolicyBatch, term, lc: 
                    weight, denom: tuple, ref_params=None, prox_logp=None):
   """One term's weighted loss on one micro-batch, its sums over the whole-(mini-)batch
   denominators ``denom`` (:func:`denominators`):
-  ``weight * (L / D + kl_beta * KL - c_H * H)``. Returns (loss, {term_metric: value})."""
+  ``weight * (L / D + kl_beta * KL - c_H * H)``. Returns (loss, :class:`TermStats`)."""
   s = term_sums(params, cfg, batch, term.loss, lc, ref_params, prox_logp)
   d, d_tok, d_on = denom
-  pg = K.safe_divide(s["loss"], d)
-  ent = K.safe_divide(s["entropy"], d_tok)
-  kl = K.safe_divide(s["kl"], d_tok)
-  loss = weight * (pg + lc.kl_beta * kl - lc.entropy_coef * ent)
-  return loss, {f"{term.batch}_loss": pg, f"{term.batch}_entropy": ent,
-                f"{term.batch}_entropy_onpolicy": K.safe_divide(s["entropy_onpolicy"], d_on),
-                f"{term.batch}_kl": kl,
-                f"{term.batch}_clipfrac": K.safe_divide(s["clipfrac"], d_tok)}
-
-
-def objective(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConfig, weights,
-              denoms: dict, ref_params=None, prox: Optional[dict] = None):
-  """The loss of one micro-batch: each term's sums over its whole-(mini-)batch
-  denominators, weighted, summed. Returns (loss, {term_metric: value})."""
-  total = jnp.zeros(())
-  metrics = {}
-  for i, term in enumerate(ucfg.terms):
-    loss, m = term_objective(params, cfg, batches[term.batch], term, ucfg.loss, weights[i],
-                             denoms[term.batch], ref_params,
-                             None if prox is None else prox.get(term.batch))
-    total = total + loss
-    metrics.update(m)
-  return total, metrics
+  stats = TermStats(loss=K.safe_divide(s["loss"], d), entropy=K.safe_divide(s["entropy"], d_tok),
+                    entropy_onpolicy=K.safe_divide(s["entropy_onpolicy"], d_on),
+                    kl=K.safe_divide(s["kl"], d_tok),
+                    clipfrac=K.safe_divide(s["clipfrac"], d_tok))
+  loss = weight * (stats.loss + lc.kl_beta * stats.kl - lc.entropy_coef * stats.entropy)
+  return loss, stats

@@ -1,4 +1,5 @@
-"""End-to-end run: tokenizer -> (warm start) -> RL -> checkpoints -> plot."""
+"""End-to-end run: tokenizer -> (warm start) -> RL -> checkpoints -> plot; and the
+params-only restore that eval and export use."""
 
 from __future__ import annotations
 
@@ -10,60 +11,77 @@ import jax
 import numpy as np
 from absl import logging
 
+from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data as data_lib
 from fbos_jax import metrics as metrics_lib
 from fbos_jax import sharding as sh
 from fbos_jax.model import hf
+from fbos_jax.model import qwen
+from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import sft as sft_lib
-from fbos_jax.rl.env import Environment
+from fbos_jax.rl import state as state_lib
+from fbos_jax.rl.context import RolloutContext
 from fbos_jax.rl.trainer import RLTrainer
 
 
-def with_checkpoint_model(config, init_from_hf: str = ""):
-  """The run's config with the architecture (and stop ids) of the HF checkpoint
-  ``init_from_hf`` or ``model.hf_path``: the file wins over a preset, so a model
-  is never built with another checkpoint's rope_theta or norm eps."""
-  src = init_from_hf or config.model.hf_path
-  if not src:
-    return config
-  config = hf.apply_hf_config(config, src)
-  if not tuple(config.sampling.stop_token_ids):
-    with config.unlocked():
-      config.sampling.stop_token_ids = tuple(hf.generation_stop_ids(src))
-  return config
+def restore_params(config, workdir: str, *, step: int = -1, mesh=None):
+  """The params of checkpoint ``step`` (-1 = latest) of ``workdir``, placed on
+  ``mesh`` (default the config's) by the logical rules: no verifier pool, no data
+  iterator, no optimizer state. A checkpoint of another model names the field and
+  both values. Returns (params, step)."""
+  rules = sh.rules_dict(config.mesh.rules)
+  mesh = mesh if mesh is not None else sh.make_mesh(config.mesh)
+  model = qwen.ModelConfig.from_dict(config.model)
+  parts = config_lib.RunParts(model=model, sampling=None, rollout=None, update=None, optim=None)
+  specs = state_lib.param_specs(parts, mesh, rules)
+  abstract = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                        sharding=jax.sharding.NamedSharding(mesh, s)),
+      qwen.abstract_params(model), specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=1, keep=1)
+  try:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+    params, restored, _ = ckpt.restore_params(None if step < 0 else step, abstract,
+                                              {"model": config.model.to_dict()})
+  finally:
+    ckpt.close()
+  return params, restored
 
 
 def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = True,
                  allow_config_change: bool = False):
   t_start = time.perf_counter()
   os.makedirs(workdir, exist_ok=True)
-  config = with_checkpoint_model(config, init_from_hf)
-  env = Environment.from_config(config, workdir)
-  trainer = RLTrainer(config, workdir, env=env, allow_config_change=allow_config_change)
+  config = config_lib.with_checkpoint_model(config, init_from_hf)
+  trainer = RLTrainer(config, workdir, allow_config_change=allow_config_change)
   params = None
   if config.model.hf_path:  # straight into the mesh's shardings, in model.param_dtype
     params, _ = hf.load_hf_params(config.model.hf_path, trainer.model_cfg, mesh=trainer.mesh,
-                                  rules=sh.rules_dict(config.mesh.rules))
+                                  rules=trainer.rules)
   state = trainer.init_state(params)
   state, resumed = trainer.maybe_restore(state)
   if not resumed and config.train.warm_start == "sft":
     t0 = time.perf_counter()
-    params, cached = sft_lib.warm_start(config, env, state.params, mesh=trainer.mesh,
+    params, cached = sft_lib.warm_start(config, trainer.ctx, state,
                                         cache_dir=os.path.join(workdir, "sft"))
     _print(f"warm start (SFT, {config.sft.steps} steps): "
            f"{'cached' if cached else f'{time.perf_counter() - t0:.0f}s'}")
     state = trainer.init_state(params)
-  evals = env.eval_examples()
+  evals = trainer.eval_examples
   start_acc = None
   if evals and int(state.step) == 0:
-    start_acc = trainer.evaluate(state.params, evals, k=config.train.eval_k, step=0)
+    start_acc = trainer.evaluate(state, evals, k=config.train.eval_k, step=0)
     _print(f"held-out accuracy at RL start: {_acc_line(start_acc)} ({len(evals)} prompts; "
            f"{data_lib.describe_eval_source(config.data)})")
+  elif evals:  # resumed: the step-0 eval is the first row of metrics.jsonl
+    start_acc = _logged_start_eval(trainer.metrics.path)
   t0 = time.perf_counter()
   state, history = trainer.train(state, eval_examples=evals, initial_eval=start_acc)
-  rl_s = time.perf_counter() - t0
+  rl_s = trainer.rl_seconds_before + time.perf_counter() - t0
   summary = _summary(config, trainer, state, history, evals, start_acc)
-  summary.update(rl_seconds=rl_s, total_seconds=time.perf_counter() - t_start)
+  summary.update(rl_seconds=rl_s, total_seconds=time.perf_counter() - t_start,
+                 resumed=bool(resumed))
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
@@ -77,6 +95,16 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
   return state, summary
 
 
+def _logged_start_eval(path: str):
+  """The step-0 eval row of a run's ``metrics.jsonl`` (None when absent)."""
+  if not os.path.exists(path):
+    return None
+  for row in metrics_lib.read_jsonl(path):
+    if row.get("step") == 0 and "eval/accuracy" in row:
+      return {k: v for k, v in row.items() if k.startswith("eval/")}
+  return None
+
+
 def _summary(config, trainer, state, history: list, evals: list, start_acc) -> dict:
   """summary.json: held-out accuracies at RL start and end, median step times."""
   summary = {"algo": config.algo, "rl_steps": int(state.step)}
@@ -85,7 +113,7 @@ def _summary(config, trainer, state, history: list, evals: list, start_acc) -> d
     # the loop already evaluated its last step (eval_every > 0); reuse that
     end = ({k: v for k, v in last.items() if k.startswith("eval/")}
            if last.get("step") == int(state.step) and "eval/accuracy" in last else
-           trainer.evaluate(state.params, evals, k=config.train.eval_k, step=int(state.step)))
+           trainer.evaluate(state, evals, k=config.train.eval_k, step=int(state.step)))
     summary["eval_start"] = start_acc["eval/accuracy"] if start_acc else None
     summary["eval_end"] = end["eval/accuracy"]
     for k in ("eval/pass@1_sampled", f"eval/pass@{config.train.eval_k}",

@@ -36,17 +36,14 @@ import random
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
-import ml_collections as mlc
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
 from fbos_jax import buckets
 from fbos_jax import data as data_lib
-from fbos_jax import optim as optim_lib
+from fbos_jax import sharding as sh
 from fbos_jax import tasks as tasks_lib
-from fbos_jax.model import qwen
 from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import state as state_lib
@@ -67,9 +64,10 @@ def _corrupt(text: str, rng: random.Random) -> str:
   return text[:i] + alt + text[i + 1:]
 
 
-def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
+def demonstration_rows(ctx, examples, *, conditional: bool, rng: random.Random,
                        positive_feedback: str = "correct", num_corrections: int = 0,
-                       failures: Optional[list] = None, stats: Optional[dict] = None):
+                       failures: Optional[list] = None, stats: Optional[dict] = None,
+                       solution_field: str = ""):
   """Verifier-checked demonstrations: (plain, corrections), each a pair of lists
   (context ids, response ids); responses end with EOS.
 
@@ -82,13 +80,14 @@ def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
   count keeps the batch shapes fixed. The rest are plain ``q -> o``
   demonstrations (FCP offline with ``conditional``: ``<EF>c</EF>q -> o``).
 
-  Every check runs through the environment's verifier pool (timeouts, fault
+  Every check runs through the context's verifier pool (timeouts, fault
   isolation, reward range) in one batch; an error verdict drops its demonstration.
   ``stats`` (a dict, if given) receives ``own`` (corrections from ``failures``)
   and ``truncated`` (correction FAPs cut to fit ``templates.max_prompt_tokens``).
   """
-  thr = env.config.verifier.success_threshold
-  field = env.config.data.get("solution_field", "")
+  thr = ctx.threshold
+  field = solution_field
+  eos = int(ctx.tokenizer.eos_token_id)
   solutions = [str(ex[field]) if field and ex.get(field) else tasks_lib.solve(ex)
                for ex in examples]
   wrong, texts = {}, []
@@ -100,7 +99,7 @@ def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
       text = _corrupt(text, rng)
     texts.append(text)
   order = [(i, wrong[i]) for i in sorted(wrong)] + list(enumerate(texts))
-  rewards, feedback, errors, _ = env.verify([examples[i] for i, _ in order], [t for _, t in order])
+  rewards, feedback, errors, _ = ctx.verify([examples[i] for i, _ in order], [t for _, t in order])
   verdict = {}  # (i, text) -> (reward, feedback) of a real verdict
   for (i, t), r, f, e in zip(order, rewards, feedback, errors):
     if not e:
@@ -110,41 +109,38 @@ def demonstration_rows(env, examples, *, conditional: bool, rng: random.Random,
   for i, ex in enumerate(examples):
     w, ok = verdict.get((i, wrong.get(i))), verdict.get((i, solutions[i]))
     if i in wrong and w and ok and w[0] < thr and ok[0] >= thr:
-      fap = env.fap(ex, wrong[i], w[1])
+      fap = ctx.prompts.fap(ex["prompt"], wrong[i], w[1])
       corr[0].append(fap.token_ids)
-      corr[1].append(env.tokenizer.encode(solutions[i], add_special_tokens=False) + [env.eos_id])
+      corr[1].append(ctx.tokenizer.encode(solutions[i], add_special_tokens=False) + [eos])
       n_own += int(failures is not None and i < len(failures) and failures[i] is not None)
       n_cut += int(fap.truncated)
       continue
     v = verdict.get((i, texts[i]))
     if v is None or (not conditional and v[0] < thr):
       continue  # only verified demonstrations
-    plain[1].append(env.tokenizer.encode(texts[i], add_special_tokens=False) + [env.eos_id])
+    plain[1].append(ctx.tokenizer.encode(texts[i], add_special_tokens=False) + [eos])
     if conditional:
-      plain[0].append(env.fcp_prompt(ex, positive_feedback if v[0] >= thr else v[1]))
+      plain[0].append(ctx.prompts.fcp(ex["prompt"],
+                                      positive_feedback if v[0] >= thr else v[1]).token_ids)
     else:
-      plain[0].append(env.prompt_ids(ex))
+      plain[0].append(ctx.prompts.plain(ex["prompt"]).token_ids)
   if stats is not None:
     stats.update(own=n_own, truncated=n_cut)
   return plain, corr
 
 
-def own_failures(config, env, params, examples, *, key, mesh) -> list:
+def own_failures(config, ctx, params, examples, *, key) -> list:
   """One failed sample of the model per example, or None where its
-  ``sft.self_samples`` samples (at ``sampling.temperature``) all pass or none
-  got a real verdict: the o_wrong of ``sft.corrections=self``."""
-  from fbos_jax import sharding as sh
+  ``sft.self_samples`` samples (at ``sampling.temperature``: the round-1
+  sampler) all pass or none got a real verdict: the o_wrong of
+  ``sft.corrections=self``."""
   if not examples:
     return []
   k = max(int(config.sft.self_samples), 1)
-  model_cfg = qwen.ModelConfig.from_dict(config.model)
-  sc = config.sampling
-  out = env.sample(params, model_cfg, [env.prompt_ids(ex) for ex in examples], n=k, key=key,
-                   mesh=mesh, rules=sh.rules_dict(config.mesh.rules),
-                   temperature=sc.temperature, prompt_buckets=tuple(sc.prompt_buckets))
-  texts = env.decode(out.tokens, out.lengths)
-  rewards, _, errors, _ = env.verify([ex for ex in examples for _ in range(k)], texts)
-  thr = config.verifier.success_threshold
+  texts = ctx.sample(params, [ctx.prompts.plain(ex["prompt"]).token_ids for ex in examples], k,
+                     key, ctx.parts.sampling.round1).texts
+  rewards, _, errors, _ = ctx.verify([ex for ex in examples for _ in range(k)], texts)
+  thr = ctx.threshold
   found = []
   for i in range(len(examples)):
     rows = [j for j in range(i * k, (i + 1) * k) if not errors[j] and rewards[j] < thr]
@@ -152,12 +148,12 @@ def own_failures(config, env, params, examples, *, key, mesh) -> list:
   return found
 
 
-def sft_batch(env, prompts, responses, prompt_len: int, response_len: int,
+def sft_batch(pad_id: int, prompts, responses, prompt_len: int, response_len: int,
               num_rows: int) -> batch_lib.PolicyBatch:
   """Demonstrations as an MLE batch: prompts left-padded, responses (EOS included)
   right-padded to ``response_len``; advantages 1, nothing off-policy."""
   n = len(prompts)
-  rt = np.full((n, response_len), env.pad_id, np.int32)
+  rt = np.full((n, response_len), pad_id, np.int32)
   rm = np.zeros((n, response_len), np.int32)
   for i, r in enumerate(responses):
     r = r[:response_len]
@@ -165,49 +161,48 @@ def sft_batch(env, prompts, responses, prompt_len: int, response_len: int,
     rm[i, :len(r)] = 1
   return batch_lib.make_policy_batch(
       prompts, rt, rm, np.ones(n, np.float32), np.zeros((n, response_len), np.float32),
-      np.zeros(n, bool), prompt_len=prompt_len, num_rows=num_rows, pad_id=env.pad_id,
+      np.zeros(n, bool), prompt_len=prompt_len, num_rows=num_rows, pad_id=pad_id,
       field="sampling.fap_prompt_buckets / templates.max_prompt_tokens")
 
 
-def _sft_setup(config, steps: int, shards: int):
-  """The optimizer, the update (one MLE term per demonstration kind, weighted by
-  its share of the batch) and the row buckets of the SFT warm start."""
+def _sft_setup(config, ctx, steps: int):
+  """The update (one MLE term per demonstration kind, weighted by its share of the
+  batch), the optimizer config and the row buckets of the SFT warm start."""
   sft = config.sft
   n_corr = 0 if sft.conditional else int(round(sft.fap_fraction * sft.batch_size))
   share = n_corr / sft.batch_size
   terms = (config_lib.Term("demos", "mle", 1.0 - share),)
   if n_corr:  # corrections (long FAP contexts) get their own batch and prompt bucket
     terms += (config_lib.Term("corrections", "mle", share),)
-  ucfg = config_lib.UpdateConfig(terms=terms, loss=config_lib.LossConfig(temperature=1.0))
-  optim = mlc.ConfigDict(config.optim.to_dict())
-  optim.learning_rate, optim.warmup_steps, optim.schedule = (
-      sft.learning_rate, sft.warmup_steps, sft.schedule)
-  opt = optim_lib.make_optimizer(optim, steps)
+  ucfg = config_lib.UpdateConfig(terms=terms, loss=config_lib.LossConfig(
+      temperature=1.0, vocab_limit=ctx.parts.update.loss.vocab_limit))
+  optim_cfg = config_lib.optim_config(config.optim, steps, learning_rate=sft.learning_rate,
+                                      warmup_steps=sft.warmup_steps, schedule=sft.schedule)
+  shards = sh.batch_shard_count(ctx.mesh, ctx.rules)
   rows = (buckets.bucket_rows(max(sft.batch_size - n_corr, 1), shards),
           buckets.bucket_rows(max(n_corr, 1), shards))
-  return opt, optim, ucfg, n_corr, rows
+  return optim_cfg, ucfg, n_corr, rows
 
 
-def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progress: bool = True):
-  """Run ``sft.steps`` MLE steps from ``params``; returns (params, metrics list).
-
-  ``params`` is donated to the first step (no second copy of a large model), so
-  the caller must not use it afterwards; pass a copy to keep it."""
-  from fbos_jax import sharding as sh
-  model_cfg = qwen.ModelConfig.from_dict(config.model)
+def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress: bool = True):
+  """Run ``sft.steps`` MLE steps from ``params`` on ``ctx``'s mesh; returns
+  (params, metrics list). ``rng``: the run's ``TrainState.rng``; the warm start
+  draws from its ``sft`` stream (data order, corruptions, own samples)."""
   steps = config.sft.steps if steps is None else steps
-  opt, optim, ucfg, n_corr, rows = _sft_setup(config, steps, sh.batch_shard_count(mesh))
-  step_fn = jax.jit(update_lib.make_update_fn(model_cfg, opt, ucfg), donate_argnums=(0,))
-  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=jax.jit(lambda p: optim_lib.init_opt_state(opt, p, optim))(params),
-                               rng=jax.random.key_data(jax.random.key(0)),
-                               nonfinite_steps=jnp.zeros((), jnp.int32))
+  optim_cfg, ucfg, n_corr, rows = _sft_setup(config, ctx, steps)
+  mesh = ctx.mesh
+  step_fn = update_lib.compiled_update(ctx.parts, mesh, ctx.rules, ucfg=ucfg, optim_cfg=optim_cfg)
+  sft_key = state_lib.stream_key(rng, "sft")
+  state = state_lib.init_state(ctx.parts, mesh, ctx.rules, params, optim_cfg=optim_cfg,
+                               rng=jax.random.key_data(sft_key))
   it = data_lib.make_prompt_iterator(config.data, batch_size=config.sft.batch_size,
                                      process_index=jax.process_index(),
                                      process_count=jax.process_count(),
-                                     seed=config.seed + 7919)
-  builder = _BatchBuilder(config, env, n_corr, rows, random.Random(config.seed))
-  put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh), b)
+                                     seed=_host_int(jax.random.fold_in(sft_key, 0)))
+  builder = _BatchBuilder(config, ctx, n_corr, rows,
+                          random.Random(_host_int(jax.random.fold_in(sft_key, 1))))
+  sample_key = jax.random.fold_in(sft_key, 2)
+  put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh, ctx.rules), b)
   history = []
   bar = range(steps)
   if progress and jax.process_index() == 0:
@@ -215,15 +210,14 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
     bar = tqdm(bar, desc="SFT warm start", dynamic_ncols=True)
   prev = None
   self_from = _self_corrections_start(config, steps) if n_corr else steps
-  sample_key = jax.random.key(config.seed + 104_729)
   if self_from < steps:
     builder.start_at_common_fap_bucket()
   for s in bar:
     examples = next(it)
     failures = None
     if s >= self_from:
-      failures = own_failures(config, env, state.params, examples[:n_corr],
-                              key=jax.random.fold_in(sample_key, s), mesh=mesh)
+      failures = own_failures(config, ctx, state.params, examples[:n_corr],
+                              key=jax.random.fold_in(sample_key, s))
     batches, stats = builder(s, examples, failures)
     with jax.set_mesh(mesh):  # attention picks its kernel from the mesh's devices
       state, m = step_fn(state, put(batches))
@@ -239,29 +233,36 @@ def train_sft(config, env, params, *, mesh, steps: Optional[int] = None, progres
   return state.params, history
 
 
+def _host_int(key) -> int:
+  """A 31-bit host integer from a PRNG key (seeds for grain and ``random``)."""
+  return int(np.asarray(jax.random.key_data(key)).reshape(-1)[-1]) & 0x7FFFFFFF
+
+
 class _BatchBuilder:
   """One SFT step's host batches: verified demonstrations at the smallest prompt
   bucket that holds them, corrections (FAP contexts) at a FAP bucket that grows,
   never shrinks (a program per bucket at most, and the rare long FAP, which the
   budget holds whole, does not pad every step)."""
 
-  def __init__(self, config, env, n_corr: int, rows: tuple, rng: random.Random):
-    self.config, self.env, self.n_corr, self.rng = config, env, n_corr, rng
+  def __init__(self, config, ctx, n_corr: int, rows: tuple, rng: random.Random):
+    self.config, self.ctx, self.n_corr, self.rng = config, ctx, n_corr, rng
     self.plain_rows, self.corr_rows = rows
-    sc = config.sampling
-    self.r_len = sc.max_new_tokens
-    self.p_buckets = sorted(set(sc.prompt_buckets) | set(sc.fap_prompt_buckets))
-    self.f_buckets = sorted(b for b in sc.fap_prompt_buckets
+    sp = ctx.parts.sampling
+    fap_buckets = sp.round2.prompt_buckets
+    self.r_len = sp.round1.max_new_tokens
+    self.p_buckets = sorted(set(sp.round1.prompt_buckets) | set(fap_buckets))
+    self.f_buckets = sorted(b for b in fap_buckets
                             if b <= max(config.templates.max_prompt_tokens, 1)) or \
-        sorted(sc.fap_prompt_buckets)[:1]
+        sorted(fap_buckets)[:1]
     self.corr_len = 0
 
   def start_at_common_fap_bucket(self):
     """Own failures (``sft.corrections=self``) start at the bucket of the longest
     FAP of one-character tokens: one program for the run, unless a rarer longer
     FAP comes."""
-    from fbos_jax.rl import env as env_lib
-    common = env_lib.longest_fap_tokens(self.config, self.env.tokenizer, chars_per_token=1)
+    from fbos_jax.rl import fap_budget
+    common = fap_budget.longest_fap_tokens(self.config, self.ctx.parts, self.ctx.tokenizer,
+                                           chars_per_token=1)
     if common is not None and common["fap"] <= self.f_buckets[-1]:
       self.corr_len = buckets.pick_bucket(common["fap"], self.f_buckets)
 
@@ -269,9 +270,9 @@ class _BatchBuilder:
     """({"demos": PolicyBatch[, "corrections": PolicyBatch]}, stats) on the host."""
     stats = {}
     (pp, pr), (cp, cr) = demonstration_rows(
-        self.env, examples, conditional=self.config.sft.conditional, rng=self.rng,
-        positive_feedback=self.config.rl.fcp_positive_feedback, num_corrections=self.n_corr,
-        failures=failures, stats=stats)
+        self.ctx, examples, conditional=self.config.sft.conditional, rng=self.rng,
+        positive_feedback=self.ctx.spec.fcp_positive_feedback, num_corrections=self.n_corr,
+        failures=failures, stats=stats, solution_field=self.config.data.solution_field)
     if not pp:
       raise ValueError(
           f"SFT step {step}: none of the {len(examples)} demonstrations passed the verifier "
@@ -279,12 +280,12 @@ class _BatchBuilder:
           "verifier's error log")
     plen = buckets.pick_bucket(max(map(len, pp)), self.p_buckets, what="demonstration prompt",
                                field="sampling.prompt_buckets")
-    batches = {"demos": sft_batch(self.env, pp, pr, plen, self.r_len, self.plain_rows)}
+    batches = {"demos": sft_batch(self.ctx.pad_id, pp, pr, plen, self.r_len, self.plain_rows)}
     if self.n_corr:
       self.corr_len = max(self.corr_len, buckets.pick_bucket(
           max(map(len, cp), default=1), self.f_buckets, what="correction prompt",
           field="sampling.fap_prompt_buckets / templates.max_prompt_tokens"))
-      batches["corrections"] = sft_batch(self.env, cp, cr, self.corr_len, self.r_len,
+      batches["corrections"] = sft_batch(self.ctx.pad_id, cp, cr, self.corr_len, self.r_len,
                                          self.corr_rows)
     return batches, dict(stats, corrections=len(cp), prompt_len=self.corr_len)
 
@@ -303,9 +304,10 @@ def _self_corrections_start(config, steps: int) -> int:
 
 def _record(history, bar, ucfg, s, m, stats):
   m = jax.device_get(m)
-  nll = sum(t.weight * float(m[f"{t.batch}_loss"]) for t in ucfg.terms)
-  history.append({"step": s, "nll": nll, "nll_plain": float(m["demos_loss"]),
-                  "nll_corrections": float(m.get("corrections_loss", np.nan)),
+  loss = {name: float(t.stats.loss) for name, t in m.terms.items()}
+  nll = sum(t.weight * loss[t.batch] for t in ucfg.terms)
+  history.append({"step": s, "nll": nll, "nll_plain": loss["demos"],
+                  "nll_corrections": loss.get("corrections", np.nan),
                   "corrections": stats.get("corrections", 0),
                   "corrections_own": stats.get("own", 0),
                   "corrections_truncated": stats.get("truncated", 0),
@@ -319,17 +321,18 @@ def _record(history, bar, ucfg, s, m, stats):
 _SELF_ONLY_FIELDS = ("corrections", "self_corrections_from", "self_samples")
 
 
-def _fingerprint(config) -> dict:
+def _fingerprint(config, parts) -> dict:
   """The config fields that decide the warm start's result (model, data, SFT recipe)."""
   data = {k: v for k, v in config.data.to_dict().items() if k != "read_threads"}
   sft = config.sft.to_dict()
   if sft.get("corrections", "corrupt") == "corrupt":
     sft = {k: v for k, v in sft.items() if k not in _SELF_ONLY_FIELDS}
   out = {"seed": config.seed, "model": config.model.to_dict(), "data": data,
-         "sft": sft, "max_new_tokens": config.sampling.max_new_tokens,
+         "sft": sft, "max_new_tokens": parts.sampling.round1.max_new_tokens,
          "templates": config.templates.to_dict()}
   if sft.get("corrections") == "self":  # the own samples depend on these too
-    out["sampling"] = {k: config.sampling[k] for k in ("temperature", "top_k", "top_p")}
+    out["sampling"] = {k: getattr(parts.sampling.round1, k)
+                       for k in ("temperature", "top_k", "top_p")}
   return out
 
 
@@ -340,8 +343,9 @@ def _diff(a, b, prefix="") -> list:
   return [] if a == b else [f"{prefix[:-1]}: cached {a!r}, now {b!r}"]
 
 
-def warm_start(config, env, params, *, mesh, cache_dir: str):
-  """Train SFT once and cache it in ``cache_dir`` (reused on later runs).
+def warm_start(config, ctx, state, *, cache_dir: str):
+  """Train SFT from ``state``'s params (its ``sft`` PRNG stream) once and cache it
+  in ``cache_dir`` (reused on later runs). Returns (params, cached).
 
   The cache records the config fields it was trained with (``sft_config.json``);
   reusing it under different ones (e.g. another ``--config.sft.steps``) raises
@@ -349,9 +353,9 @@ def warm_start(config, env, params, *, mesh, cache_dir: str):
   ckptr = ocp.StandardCheckpointer()
   path = os.path.abspath(os.path.join(cache_dir, "params"))
   meta = os.path.join(cache_dir, "sft_config.json")
-  want = json.loads(json.dumps(_fingerprint(config), default=list))
+  want = json.loads(json.dumps(_fingerprint(config, ctx.parts), default=list))
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                          params)
+                          state.params)
   if os.path.exists(path):
     if os.path.exists(meta):
       with open(meta) as f:
@@ -363,7 +367,7 @@ def warm_start(config, env, params, *, mesh, cache_dir: str):
             "it (the RL checkpoints in the workdir are kept either way).")
     logging.info("Warm start: reusing cached SFT params at %s", path)
     return ckptr.restore(path, abstract), True
-  params, hist = train_sft(config, env, params, mesh=mesh, progress=config.train.progress)
+  params, hist = train_sft(config, ctx, state.params, state.rng, progress=config.train.progress)
   os.makedirs(cache_dir, exist_ok=True)
   ckptr.save(path, params)
   ckptr.wait_until_finished()

@@ -1,13 +1,20 @@
-"""The one pytree that changes during training, and where it lives on the mesh.
+"""The one pytree that changes during training, where it lives on the mesh, and its PRNG streams.
 
 Everything a step changes is in :class:`TrainState`, and the checkpoint saves
 it as one: resuming restores exactly the run that was saved, including the
 GFPO difficulty history, the stale-params history (``rl.staleness``), the
 frozen KL reference and the counters.
+
+All randomness of a run comes from ``TrainState.rng`` (seeded from
+``config.seed``), through named streams (:func:`stream_key`): ``sample``
+(rollout sampling, per step), ``shuffle`` (the update's mini-batch order, per
+step), ``eval`` (held-out pass@k, per step), ``sft`` (the warm start), ``init``
+(random params). Two uses never share a key.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import flax.struct
@@ -19,6 +26,25 @@ import fbos_kernels as K
 from fbos_jax import optim as optim_lib
 from fbos_jax import sharding as sh
 from fbos_jax.model import qwen
+
+STREAMS = ("sample", "shuffle", "eval", "sft", "init")
+
+
+def stream_key(rng, name: str, *indices):
+  """The PRNG key of stream ``name`` (one of :data:`STREAMS`) of the raw key
+  data ``rng`` ([2] uint32, ``TrainState.rng``), folded with ``indices`` (e.g.
+  the step). Works traced (inside the update) and on the host."""
+  if name not in STREAMS:
+    raise ValueError(f"unknown PRNG stream {name!r}; expected one of {STREAMS}")
+  key = jax.random.fold_in(jax.random.wrap_key_data(rng), STREAMS.index(name) + 1)
+  for i in indices:
+    key = jax.random.fold_in(key, i)
+  return key
+
+
+def root_rng(seed: int):
+  """``TrainState.rng`` of a run seeded with ``seed``: [2] uint32 raw key data."""
+  return jax.random.key_data(jax.random.key(int(seed)))
 
 
 @flax.struct.dataclass
@@ -57,11 +83,11 @@ class TrainState:
     return self.replace(param_history=self.param_history[1:] + (current,))
 
 
-def param_specs(config, mesh, model_cfg: qwen.ModelConfig, *, strict: bool = False):
-  """PartitionSpecs of the params from the config's logical rules."""
-  rules = sh.rules_dict(config.mesh.rules)
-  abstract = qwen.abstract_params(model_cfg)
-  return sh.tree_specs(qwen.param_logical_axes(model_cfg), rules, abstract, mesh, strict=strict)
+def param_specs(parts, mesh, rules, *, strict: bool = False):
+  """PartitionSpecs of the params from the logical rules."""
+  abstract = qwen.abstract_params(parts.model)
+  return sh.tree_specs(qwen.param_logical_axes(parts.model), sh.rules_dict(rules), abstract,
+                       mesh, strict=strict)
 
 
 def like_params(tree, param_tree, param_specs_tree, default):
@@ -73,55 +99,99 @@ def like_params(tree, param_tree, param_specs_tree, default):
   return jax.tree.map(lambda a: by_shape.get(tuple(a.shape), default), tree)
 
 
-def abstract_state(config, mesh, model_cfg: qwen.ModelConfig, optimizer, *,
-                   strict: bool = False) -> TrainState:
+def layout(parts) -> dict:
+  """The config fields that shape the TrainState besides the model (a restore
+  from a checkpoint of another layout names the field that differs)."""
+  spec, loss = parts.rollout, parts.update.loss
+  return {"rl.staleness": int(spec.staleness), "rl.kl_beta > 0": bool(loss.kl_beta > 0),
+          "rl.gfpo_adaptive": bool(spec.gfpo_adaptive),
+          "rl.gfpo_history": int(spec.gfpo_history) if spec.gfpo_adaptive else None,
+          "optim.opt_state_dtype": parts.optim.opt_state_dtype,
+          "optim.grad_clip > 0": bool(parts.optim.grad_clip > 0)}
+
+
+def abstract_state(parts, mesh, rules, *, strict: bool = False) -> TrainState:
   """ShapeDtypeStructs, with their shardings on ``mesh``, of the TrainState a
-  run of ``config`` holds: the target of init, restore and compiled plans."""
-  rl = config.rl
-  abstract = qwen.abstract_params(model_cfg)
-  specs = param_specs(config, mesh, model_cfg, strict=strict)
+  run of ``parts`` holds: the target of init, restore and compiled plans."""
+  spec = parts.rollout
+  optimizer = optim_lib.make_optimizer(parts.optim)
+  abstract = qwen.abstract_params(parts.model)
+  specs = param_specs(parts, mesh, rules, strict=strict)
   named = lambda s: NamedSharding(mesh, s)
   sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=named(s))
   is_sds = lambda x: isinstance(x, jax.ShapeDtypeStruct)
   params = jax.tree.map(sds, abstract, specs, is_leaf=is_sds)
-  opt = jax.eval_shape(lambda p: optim_lib.init_opt_state(optimizer, p, config.optim), abstract)
+  opt = jax.eval_shape(lambda p: optim_lib.init_opt_state(optimizer, p, parts.optim), abstract)
   opt = jax.tree.map(sds, opt, like_params(opt, abstract, specs, P()), is_leaf=is_sds)
   rep = named(P())
   scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)
   gfpo = None
-  if rl.gfpo_adaptive:
+  if spec.gfpo_adaptive:
     gfpo = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                        jax.eval_shape(lambda: K.adaptive_k_init(rl.gfpo_history)))
+                        jax.eval_shape(lambda: K.adaptive_k_init(spec.gfpo_history)))
   return TrainState(step=scalar(jnp.int32), params=params, opt_state=opt,
                     rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep),
                     nonfinite_steps=scalar(jnp.int32), gfpo=gfpo,
-                    param_history=(params,) * int(rl.staleness),
-                    ref_params=params if rl.kl_beta > 0 else None)
+                    param_history=(params,) * int(spec.staleness),
+                    ref_params=params if parts.update.loss.kl_beta > 0 else None)
 
 
 def state_shardings(abstract: TrainState):
   return jax.tree.map(lambda a: a.sharding, abstract)
 
 
-def init_state(config, abstract: TrainState, optimizer, params=None) -> TrainState:
-  """A fresh TrainState placed as ``abstract`` says: random params (seed
-  ``config.seed``) unless ``params`` are given (copied, never donated)."""
-  model_cfg = qwen.ModelConfig.from_dict(config.model)
-  rl = config.rl
+def rules_key(rules) -> tuple:
+  """Logical rules as a hashable key (part of cached programs' keys)."""
+  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                      for k, v in sh.rules_dict(rules).items()))
 
-  def build(p):
+
+def layout_parts(parts, optim_cfg=None):
+  """``parts`` reduced to what shapes the TrainState: the model, the optimizer
+  (``optim_cfg`` replaces the run's, e.g. SFT's), the stale-params history, the
+  KL reference and the GFPO history. Programs keyed on it are shared by runs
+  that differ elsewhere (seeds, sampling, the rollout)."""
+  import dataclasses
+  from fbos_jax.rl import config as config_lib
+  spec = parts.rollout
+  return config_lib.RunParts(
+      model=parts.model, sampling=None, optim=optim_cfg or parts.optim,
+      rollout=config_lib.RolloutSpec(1, 1, staleness=int(spec.staleness),
+                                     gfpo_adaptive=bool(spec.gfpo_adaptive),
+                                     gfpo_history=int(spec.gfpo_history)
+                                     if spec.gfpo_adaptive else 0),
+      update=config_lib.UpdateConfig(terms=(), loss=config_lib.LossConfig(
+          kl_beta=1.0 if parts.update.loss.kl_beta > 0 else 0.0)))
+
+
+@functools.lru_cache(maxsize=None)
+def _init_fn(layout, mesh, rules: tuple, with_params: bool):
+  """The jitted state builder of one layout and mesh (one compile per layout)."""
+  out = state_shardings(abstract_state(layout, mesh, dict(rules)))
+  optimizer = optim_lib.make_optimizer(layout.optim)
+  spec, kl = layout.rollout, layout.update.loss.kl_beta > 0
+
+  def build(p, rng):
     if p is None:
-      p = qwen.init_params(model_cfg, jax.random.key(config.seed))
+      p = qwen.init_params(layout.model, stream_key(rng, "init"))
     p = jax.tree.map(jnp.copy, p)
-    gfpo = K.adaptive_k_init(rl.gfpo_history) if rl.gfpo_adaptive else None
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=p,
-        opt_state=optim_lib.init_opt_state(optimizer, p, config.optim),
-        rng=jax.random.key_data(jax.random.key(config.seed + 1)),
-        nonfinite_steps=jnp.zeros((), jnp.int32), gfpo=gfpo,
-        param_history=(p,) * int(rl.staleness), ref_params=p if rl.kl_beta > 0 else None)
+        opt_state=optim_lib.init_opt_state(optimizer, p, layout.optim), rng=rng,
+        nonfinite_steps=jnp.zeros((), jnp.int32),
+        gfpo=K.adaptive_k_init(spec.gfpo_history) if spec.gfpo_adaptive else None,
+        param_history=(p,) * spec.staleness, ref_params=p if kl else None)
 
-  out = state_shardings(abstract)
-  if params is None:
-    return jax.jit(lambda: build(None), out_shardings=out)()
-  return jax.jit(build, out_shardings=out)(params)
+  if with_params:
+    return jax.jit(build, out_shardings=out)
+  return jax.jit(lambda rng: build(None, rng), out_shardings=out)
+
+
+def init_state(parts, mesh, rules, params=None, *, optim_cfg=None, rng=None) -> TrainState:
+  """A fresh TrainState on ``mesh``: ``params`` (copied, never donated), else
+  random params from the ``init`` stream of ``rng`` (default
+  ``root_rng(parts.seed)``; SFT passes its own stream). ``optim_cfg`` replaces
+  the run's optimizer (SFT's). The builder is compiled once per state layout and mesh."""
+  fn = _init_fn(layout_parts(parts, optim_cfg), mesh, rules_key(rules), params is not None)
+  rng = root_rng(parts.seed) if rng is None else rng
+  return fn(params, rng) if params is not None else fn(rng)

@@ -5,7 +5,8 @@ loop with different config fields; nothing here branches on an algorithm.
 A step reads its prompts, runs the rollout phases (:mod:`fbos_jax.rl.rollout`:
 round 1, verify, round 2, the batches of the objective's terms), runs the one
 jitted update (:mod:`fbos_jax.rl.update`) and logs. Everything that changes
-lives in the :class:`~fbos_jax.rl.state.TrainState`, checkpointed as one.
+lives in the :class:`~fbos_jax.rl.state.TrainState`, checkpointed as one; the
+run's typed parts live in the :class:`~fbos_jax.rl.context.RolloutContext`.
 """
 
 from __future__ import annotations
@@ -15,137 +16,159 @@ import time
 from typing import Callable, Optional
 
 import jax
-import numpy as np
 from absl import logging
 
 from fbos_jax import checkpoint as ckpt_lib
+from fbos_jax import data as data_lib
 from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
-from fbos_jax import optim as optim_lib
 from fbos_jax import sharding as sh
-from fbos_jax.model import qwen
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import evaluation
+from fbos_jax.rl import objectives
 from fbos_jax.rl import rollout as rollout_lib
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl import update as update_lib
-from fbos_jax.rl.env import Environment
+from fbos_jax.rl.context import RolloutContext
 
 # metrics summed (not averaged) over hosts: counts and throughput
 SUM_METRICS = ("tokens/generated", "rollouts/generated", "round2/rollouts", "epa/injected",
-               "tokens/per_s", "verifier/errors", "eval/verifier_errors")
+               "tokens/per_s", "verifier/calls", "verifier/errors", "eval/verifier_errors")
 
 
 class NonFiniteStepError(FloatingPointError):
   pass
 
 
-class RLTrainer:
-  """Owns the compiled update, the rollout context (environment, mesh) and the
-  checkpoint / metrics plumbing; the state itself is a pure pytree."""
+class VerifierFailingError(RuntimeError):
+  """Every verifier call failed for ``verifier.max_failed_steps`` steps in a row."""
 
-  def __init__(self, config, workdir: str, *, env: Optional[Environment] = None,
+
+class RLTrainer:
+  """Owns the rollout context (typed parts, mesh, tokenizer, verifiers), the data,
+  the shared update program and the checkpoint / metrics plumbing; the state
+  itself is a pure pytree."""
+
+  def __init__(self, config, workdir: str, *, ctx: Optional[RolloutContext] = None,
                mesh=None, init_params=None, log_metrics: bool = True,
                allow_config_change: bool = False):
     self.config, self.workdir = config, workdir
     os.makedirs(workdir, exist_ok=True)
+    self.rules = sh.rules_dict(config.mesh.rules)
     self.mesh = mesh if mesh is not None else sh.make_mesh(config.mesh)
-    distributed.check_mesh(self.mesh)  # multi-process: batch axes must split over hosts
-    config_lib.validate(config, sh.batch_shard_count(self.mesh))
-    self.env = env if env is not None else Environment.from_config(config, workdir)
-    self.model_cfg = qwen.ModelConfig.from_dict(config.model)
-    if self.env.vocab_size > self.model_cfg.vocab_size:
-      raise ValueError(f"model.vocab_size={self.model_cfg.vocab_size} is smaller than the "
-                       f"tokenizer's {self.env.vocab_size} tokens")
-    self.ucfg = config_lib.update_config(config)
-    self.optimizer = optim_lib.make_optimizer(
-        config.optim, config.train.steps * self.ucfg.epochs * self.ucfg.mini_batches)
-    self.abstract = state_lib.abstract_state(config, self.mesh, self.model_cfg, self.optimizer)
-    self.ctx = rollout_lib.RolloutContext(config, self.env, self.mesh, self.model_cfg)
+    distributed.check_mesh(self.mesh, sh.batch_axes(self.rules))  # multi-process: rows per host
+    config_lib.validate(config, sh.batch_shard_count(self.mesh, self.rules))
+    self.ctx = ctx if ctx is not None else RolloutContext.build(config, workdir, mesh=self.mesh)
+    self.ctx.mesh, self.ctx.rules = self.mesh, self.rules
+    self.parts = self.ctx.parts
+    pi, pc = jax.process_index(), jax.process_count()
+    self.train_iter = data_lib.make_prompt_iterator(
+        config.data, batch_size=self.parts.rollout.prompts_per_step // pc, process_index=pi,
+        process_count=pc, seed=config.data.shuffle_seed + config.seed,
+        tokenizer=self.ctx.tokenizer)
+    self.eval_examples = data_lib.held_out_examples(
+        config.data, config.train.eval_prompts, process_index=pi, process_count=pc)
     self._init_params = init_params
     self.allow_config_change = allow_config_change
-    self.metrics = metrics_lib.MetricsWriter(workdir, enabled=log_metrics and jax.process_index() == 0)
+    self.metrics = metrics_lib.MetricsWriter(workdir, enabled=log_metrics and pi == 0)
     self.ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"),
                                       save_every=config.train.checkpoint_every,
                                       keep=config.train.keep_checkpoints)
-    self._update = None
+    self.rl_seconds_before = 0.0  # RL time of the run before the restored checkpoint
+    self._failed_steps = 0  # consecutive steps whose every verifier call failed
+
+  @property
+  def model_cfg(self):
+    return self.parts.model
 
   # ------------------------------------------------------------------ state
   def init_state(self, params=None) -> state_lib.TrainState:
     """A fresh state: ``params`` (copied), else the trainer's init params, else random."""
-    return state_lib.init_state(self.config, self.abstract, self.optimizer,
+    return state_lib.init_state(self.parts, self.mesh, self.rules,
                                 params if params is not None else self._init_params)
 
-  def save(self, state, force: bool = False):
-    meta = {"model": self.config.model.to_dict(), "algo": self.config.algo,
-            "config": self.config.to_dict()}
-    self.ckpt.save(int(state.step), state, distributed.per_process_state(self.env.data_state()),
-                   meta, force=force)
+  def abstract_state(self) -> state_lib.TrainState:
+    return state_lib.abstract_state(self.parts, self.mesh, self.rules)
 
-  def restore_train_state(self, step=None) -> state_lib.TrainState:
-    """The TrainState of checkpoint ``step`` (newest readable if None), resharded
-    onto this trainer's mesh (for eval / export; the data iterator is not touched)."""
-    if self.ckpt.latest_step() is None:
-      raise FileNotFoundError(f"no checkpoint in {self.ckpt.directory}")
-    state, _, _ = self.ckpt.restore(step, self.abstract, {"model": self.config.model.to_dict()})
-    return state
+  def save(self, state, force: bool = False, rl_seconds: float = 0.0):
+    meta = {"model": self.config.model.to_dict(), "algo": self.config.algo,
+            "config": self.config.to_dict(), "layout": state_lib.layout(self.parts),
+            "rl_seconds": float(rl_seconds)}
+    data_state = self.train_iter.get_state() if hasattr(self.train_iter, "get_state") else {}
+    self.ckpt.save(int(state.step), state, distributed.per_process_state(data_state), meta,
+                   force=force)
 
   def maybe_restore(self, state):
     """Resume from the newest readable checkpoint, if any: (state, resumed)."""
     if self.ckpt.latest_step() is None:
       return state, False
-    restored, data_state, meta = self.ckpt.restore(None, self.abstract,
-                                                   {"model": self.config.model.to_dict()})
+    restored, data_state, meta = self.ckpt.restore(
+        None, self.abstract_state(), {"model": self.config.model.to_dict(),
+                                      "layout": state_lib.layout(self.parts)})
     ckpt_lib.check_resume_config(meta.get("config"), self.config.to_dict(),
                                  allow=self.allow_config_change)
-    self.env.set_data_state(distributed.select_process_state(data_state))
+    data_state = distributed.select_process_state(data_state)
+    if data_state and hasattr(self.train_iter, "set_state"):
+      self.train_iter.set_state(data_state)
+    self.rl_seconds_before = float(meta.get("rl_seconds", 0.0))
     logging.info("Resumed from %s at step %d", self.ckpt.directory, self.ckpt.restored_step)
     return restored, True
 
-  def update_fn(self):
-    """The jitted update; its output state keeps the input's shardings (one compile)."""
-    if self._update is None:
-      fn = update_lib.make_update_fn(self.model_cfg, self.optimizer, self.ucfg)
-      rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-      self._update = jax.jit(fn, donate_argnums=(0,),
-                             out_shardings=(state_lib.state_shardings(self.abstract), rep))
-    return self._update
-
   # ------------------------------------------------------------------ one step
-  def evaluate(self, params, examples: list, *, k: int = 1, step: int = 0) -> dict:
-    return evaluation.evaluate(self.ctx, params, examples, k=k, step=step)
+  def evaluate(self, state_or_params, examples: list, *, k: int = 1, step: int = 0,
+               rng=None) -> dict:
+    """Held-out accuracy of ``state_or_params`` (a TrainState, or params with
+    ``rng``, the run's ``TrainState.rng``); the pass@k draws come from its
+    ``eval`` stream at ``step``."""
+    params = getattr(state_or_params, "params", state_or_params)
+    rng = getattr(state_or_params, "rng", rng)
+    if rng is None:
+      rng = state_lib.root_rng(self.parts.seed)
+    return evaluation.evaluate(self.ctx, params, examples, k=k,
+                               key=state_lib.stream_key(rng, "eval", step))
 
   def train_step(self, state: state_lib.TrainState, step: int):
     """One loop step: rollout with the sampling params, then the update."""
-    examples = self.env.next_train_batch()
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
+    examples = next(self.train_iter)
+    key = state_lib.stream_key(state.rng, "sample", step)
     t0 = time.perf_counter()
-    sampled_with = state.sampling_params()
-    batches, m, gfpo = rollout_lib.rollout_step(
-        self.ctx, sampled_with, examples, key, step=step, batch_names=self.ucfg.batch_names,
-        gfpo_state=state.gfpo)
+    batches, m, gfpo = rollout_lib.rollout_step(self.ctx, state.sampling_params(), examples,
+                                                key, gfpo_state=state.gfpo)
     state = state.after_sampling().replace(gfpo=gfpo)
     t1 = time.perf_counter()
-    batches = {k: jax.tree.map(lambda a: sh.put_process_local(a, self.mesh), b)
+    batches = {k: jax.tree.map(lambda a: sh.put_process_local(a, self.mesh, self.rules), b)
                for k, b in batches.items()}
     with jax.set_mesh(self.mesh):  # attention picks its kernel from the mesh's devices
-      state, um = self.update_fn()(state, batches)
-    um = jax.device_get(um)
+      state, um = update_lib.compiled_update(self.parts, self.mesh, self.rules)(state, batches)
+    m.update(objectives.log_metrics(um, self.parts.update.batch_names))
     t2 = time.perf_counter()
-    m.update(_update_metrics(um, self.ucfg))
     m.update({"time/update_s": t2 - t1, "time/step_s": t2 - t0,
               "tokens/per_s": m["tokens/generated"] / max(t1 - t0, 1e-9),
               "nonfinite_steps": int(state.nonfinite_steps)})
     m = distributed.mean_over_processes(m, sum_keys=SUM_METRICS)
-    if um["finite"] < 1:
+    self._check_step(m, examples, step + 1)
+    return state, m
+
+  def _check_step(self, m: dict, examples: list, logged_step: int):
+    """A skipped non-finite optimizer step (warn, or raise without
+    ``rl.skip_nonfinite``), and a verifier that failed every call for
+    ``verifier.max_failed_steps`` steps in a row (raise)."""
+    if m["policy/finite"] < 1:
       ids = [str(ex.get("id", "")) for ex in examples]
       logging.warning("step %d: an optimizer step was skipped (non-finite loss or gradient); "
-                      "batch ids: %s", step, ids)
+                      "batch ids: %s", logged_step, ids)
       m["skipped_batch_ids"] = ids
-      if not self.config.rl.skip_nonfinite:
+      if not self.parts.update.skip_nonfinite:
         raise NonFiniteStepError(
-            f"non-finite loss or gradient at step {step} (rl.skip_nonfinite=False)")
-    return state, m
+            f"non-finite loss or gradient at step {logged_step} (rl.skip_nonfinite=False)")
+    calls = m.get("verifier/calls", 0)
+    self._failed_steps = self._failed_steps + 1 if calls and m["verifier/errors"] >= calls else 0
+    limit = int(self.config.verifier.max_failed_steps)
+    if limit and self._failed_steps >= limit:
+      raise VerifierFailingError(
+          f"every verifier call failed in {self._failed_steps} steps in a row (up to step "
+          f"{logged_step}; the error kinds are counted in verifier/<kind> in metrics.jsonl and "
+          f"each was logged once to log.txt); verifier.max_failed_steps={limit}")
 
   # ------------------------------------------------------------------ the loop
   def train(self, state=None, *, steps: Optional[int] = None, eval_examples=None,
@@ -157,21 +180,23 @@ class RLTrainer:
       state, _ = self.maybe_restore(self.init_state())
     steps = cfg.train.steps if steps is None else steps
     start = int(state.step)
-    eval_examples = self.env.eval_examples() if eval_examples is None else eval_examples
+    eval_examples = self.eval_examples if eval_examples is None else eval_examples
     every, k = cfg.train.eval_every, cfg.train.eval_k
     history = []
     if start == 0 and every > 0 and eval_examples:
-      em = initial_eval or self.evaluate(state.params, eval_examples, k=k, step=0)
+      em = initial_eval or self.evaluate(state, eval_examples, k=k, step=0)
       self.metrics.write(0, em)
       history.append(dict(em, step=0))
       logging.info("step 0 eval: %s", _fmt(em))
     bar = _progress(range(start, steps), cfg.train.progress, desc=f"{cfg.algo} RL")
     last_acc = history[0].get("eval/accuracy", float("nan")) if history else float("nan")
+    t_loop = time.perf_counter()
     for step in bar:
+      self.ckpt.check()  # an asynchronous save that failed stops the run here
       state, m = self.train_step(state, step)
       s = int(state.step)
       if every > 0 and eval_examples and (s % every == 0 or s == steps):
-        m.update(self.evaluate(state.params, eval_examples, k=k, step=s))
+        m.update(self.evaluate(state, eval_examples, k=k, step=s))
       self.metrics.write(s, m)
       history.append(dict(m, step=s))
       last_acc = m.get("eval/accuracy", last_acc)
@@ -180,33 +205,18 @@ class RLTrainer:
       if s % cfg.train.log_every == 0:
         logging.info("step %d: %s", s, _fmt(m))
       if cfg.train.checkpoint_every > 0 and (s % cfg.train.checkpoint_every == 0 or s == steps):
-        self.save(state, force=(s == steps))
+        self.save(state, force=(s == steps),
+                  rl_seconds=self.rl_seconds_before + time.perf_counter() - t_loop)
       if on_step is not None:
         on_step(s, state, m)
     self.ckpt.wait()
+    self.ckpt.check()
     return state, history
 
   def close(self):
     self.ckpt.close()
     self.metrics.close()
-    self.env.close()
-
-
-def _update_metrics(um: dict, ucfg: config_lib.UpdateConfig) -> dict:
-  """The update's metrics under their logged names (loss/<term>, policy/...)."""
-  out = {}
-  for k, v in um.items():
-    if k.endswith("_loss"):
-      out[f"loss/{k[:-5]}"] = float(v)
-    elif k.startswith("grad_norm_"):  # one term's weighted contribution (issue 16)
-      out[f"grad_norm/{k[len('grad_norm_'):]}"] = float(v)
-    else:
-      out[f"policy/{k}"] = float(v)
-  first = ucfg.terms[0].batch if ucfg.terms else "epa"
-  for name in ("entropy", "kl", "clipfrac"):
-    out[f"policy/{name}"] = float(um.get(f"{first}_{name}", np.nan))
-  out["policy/grad_norm"] = float(um["grad_norm"])
-  return out
+    self.ctx.close()
 
 
 def _fmt(m: dict) -> str:

@@ -27,19 +27,28 @@ Inside one program, purejaxrl-style (no host round trip):
    the loss or gradient is not finite and ``skip_nonfinite``.
 
 ``state.step`` counts loop steps (skipped ones too): the loop, the checkpoints
-and the metrics share it.
+and the metrics share it. The mini-batch order comes from the state's
+``shuffle`` stream (``fbos_jax.rl.state.stream_key``), never from the key the
+rollout sampled with.
+
+:func:`compiled_update` is the jitted program for a (model, optimizer, update,
+state layout, mesh): built once per process and shared by every trainer (and
+test) with the same configs, so a program is compiled once.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from fbos_jax import optim as optim_lib
 from fbos_jax.model import qwen
 from fbos_jax.rl import objectives
+from fbos_jax.rl import state as state_lib
 from fbos_jax.rl.config import UpdateConfig
 from fbos_jax.rl.state import TrainState
 
@@ -69,7 +78,8 @@ def prox_logprobs(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConf
     def one(i, b=b):
       logp, _ = objectives.sequence_logprobs(params, cfg, _split(b, parts, i),
                                              temperature=lc.temperature, time_chunk=lc.time_chunk,
-                                             vocab_chunk=lc.vocab_chunk, compute_entropy=False)
+                                             vocab_chunk=lc.vocab_chunk, compute_entropy=False,
+                                             vocab_limit=lc.vocab_limit)
       return logp
 
     out[term.batch] = jax.lax.map(one, jnp.arange(parts)).reshape(b.old_logp.shape)
@@ -77,9 +87,8 @@ def prox_logprobs(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConf
 
 
 def _grads(params, cfg, batches, ucfg, weights, ref_params, prox):
-  """The step's gradient, per-term gradient norms and metric sums of one
-  mini-batch, accumulated over micro-batches: (grads, {term.batch: norm}, loss,
-  metrics).
+  """The step's gradient, the loss and each term's metrics of one mini-batch,
+  accumulated over micro-batches: (grads, loss, {term.batch: TermMetrics}).
 
   Each term is differentiated on its own (the terms train on different batches,
   so this is the compute of one joint gradient) and added to the step's
@@ -93,48 +102,48 @@ def _grads(params, cfg, batches, ucfg, weights, ref_params, prox):
   grad_fn = jax.value_and_grad(objectives.term_objective, has_aux=True)
 
   def micro_step(carry, i):
-    g_acc, own, l_acc, m_acc = carry
+    g_acc, own, l_acc, stats = carry
     mb = _split(batches, m, i)
     mp = {} if not prox else _split(prox, m, i)
-    met = {}
-    own = dict(own)
+    own, stats = dict(own), dict(stats)
     for k, term in enumerate(ucfg.terms):
-      (loss, tm), g = grad_fn(params, cfg, mb[term.batch], term, ucfg.loss, weights[k],
+      (loss, ts), g = grad_fn(params, cfg, mb[term.batch], term, ucfg.loss, weights[k],
                               denoms[term.batch], ref_params, mp.get(term.batch))
       g_acc = jax.tree.map(jnp.add, g_acc, g)
       if term.batch in own:
         own[term.batch] = jax.tree.map(jnp.add, own[term.batch], g)
       l_acc = l_acc + loss
-      met.update(tm)
-    return (g_acc, own, l_acc, jax.tree.map(jnp.add, m_acc, met)), None
+      stats[term.batch] = jax.tree.map(jnp.add, stats[term.batch], ts)
+    return (g_acc, own, l_acc, stats), None
 
   zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  zero_m = {f"{t.batch}_{k}": jnp.zeros(()) for t in ucfg.terms
-            for k in objectives.METRICS_PER_TERM}
-  init = (zeros(), {n: zeros() for n in names[:-1]}, jnp.zeros(()), zero_m)
-  (grads, own, loss, met), _ = jax.lax.scan(micro_step, init, jnp.arange(m))
+  init = (zeros(), {n: zeros() for n in names[:-1]}, jnp.zeros(()),
+          {n: objectives.TermStats.zeros() for n in names})
+  (grads, own, loss, stats), _ = jax.lax.scan(micro_step, init, jnp.arange(m))
   norms = {n: optax.tree.norm(g) for n, g in own.items()}
   if names:
     rest = grads
     for g in own.values():
       rest = jax.tree.map(jnp.subtract, rest, g)
     norms[names[-1]] = optax.tree.norm(rest)
-  met = dict(met, **{f"{name}_tokens": d[1] for name, d in denoms.items()})
-  return grads, norms, loss, met
+  terms = {n: objectives.TermMetrics(stats=stats[n], grad_norm=norms[n], tokens=denoms[n][1])
+           for n in names}
+  return grads, loss, terms
 
 
 def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformation,
                    ucfg: UpdateConfig):
-  """Build ``update(state, batches) -> (state, metrics)`` (jit it with the
-  state's shardings as out_shardings and ``donate_argnums=0``)."""
+  """Build ``update(state, batches) -> (state, UpdateMetrics)`` (jit it with the
+  state's shardings as out_shardings and ``donate_argnums=0``; or take the shared
+  program from :func:`compiled_update`)."""
   mini = ucfg.mini_batches
   steps = ucfg.epochs * mini
 
-  def update(state: TrainState, batches: dict) -> tuple[TrainState, dict[str, Any]]:
+  def update(state: TrainState, batches: dict) -> tuple[TrainState, Any]:
     _check_rows(batches, mini * ucfg.micro_batches)
     weights = objectives.term_weights(ucfg, state.step)
     prox = prox_logprobs(state.params, cfg, batches, ucfg) if ucfg.needs_prox else {}
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    key = state_lib.stream_key(state.rng, "shuffle", state.step)
 
     def opt_step(carry, j):
       params, opt_state, n_bad = carry
@@ -147,24 +156,22 @@ def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformatio
         data = ({n: jax.tree.map(lambda a, p=perm[n]: a[p], b) for n, b in batches.items()},
                 {n: a[perm[n]] for n, a in prox.items()})
       mb, mp = _split(data, mini, i)
-      grads, norms, loss, met = _grads(params, cfg, mb, ucfg, weights, state.ref_params, mp)
+      grads, loss, terms = _grads(params, cfg, mb, ucfg, weights, state.ref_params, mp)
       grad_norm = optax.tree.norm(grads)
-      met = dict(met, **{f"grad_norm_{n}": v for n, v in norms.items()})
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       updates, new_opt = optimizer.update(grads, opt_state, params)
       new_params = optax.apply_updates(params, updates)
       if ucfg.skip_nonfinite:
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_params, new_opt = keep(new_params, params), keep(new_opt, opt_state)
-      met = dict(met, loss=loss, grad_norm=grad_norm, finite=finite.astype(jnp.float32))
+      met = objectives.UpdateMetrics(terms=terms, loss=loss, grad_norm=grad_norm,
+                                     finite=finite.astype(jnp.float32))
       return (new_params, new_opt, n_bad + (~finite).astype(jnp.int32)), met
 
     (params, opt_state, n_bad), mets = jax.lax.scan(
         opt_step, (state.params, state.opt_state, jnp.zeros((), jnp.int32)), jnp.arange(steps))
     metrics = jax.tree.map(lambda x: jnp.mean(x, axis=0), mets)
-    metrics["finite"] = jnp.min(mets["finite"])  # 0 when any optimizer step was skipped
-    if f"{objectives.ROUND1_BATCH}_entropy_onpolicy" in metrics:  # round-1 rows on q only
-      metrics["entropy_onpolicy"] = metrics[f"{objectives.ROUND1_BATCH}_entropy_onpolicy"]
+    metrics = metrics.replace(finite=jnp.min(mets.finite))  # 0 when any step was skipped
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               nonfinite_steps=state.nonfinite_steps + jnp.minimum(n_bad, 1))
     return new_state, metrics
@@ -172,14 +179,27 @@ def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformatio
   return update
 
 
-def make_logprob_fn(cfg: qwen.ModelConfig, ucfg: UpdateConfig):
-  """(params, batch) -> logp [N, R] of the temperature-scaled policy (no entropy)."""
-  lc = ucfg.loss
+@functools.lru_cache(maxsize=None)
+def _compiled(model_cfg, ucfg: UpdateConfig, layout, mesh, rules_key: tuple):
+  shardings = state_lib.state_shardings(state_lib.abstract_state(layout, mesh, dict(rules_key)))
+  fn = make_update_fn(model_cfg, optim_lib.make_optimizer(layout.optim), ucfg)
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(fn, donate_argnums=(0,),
+                 out_shardings=(shardings, jax.tree.map(lambda _: rep, _metrics_shape(ucfg))))
 
-  def fn(params, batch):
-    logp, _ = objectives.sequence_logprobs(params, cfg, batch, temperature=lc.temperature,
-                                           time_chunk=lc.time_chunk, vocab_chunk=lc.vocab_chunk,
-                                           compute_entropy=False)
-    return logp
 
-  return fn
+def _metrics_shape(ucfg: UpdateConfig):
+  z = jnp.zeros(())
+  terms = {t.batch: objectives.TermMetrics(stats=objectives.TermStats(z, z, z, z, z),
+                                           grad_norm=z, tokens=z) for t in ucfg.terms}
+  return objectives.UpdateMetrics(terms=terms, loss=z, grad_norm=z, finite=z)
+
+
+def compiled_update(parts, mesh, rules, ucfg: UpdateConfig = None, optim_cfg=None):
+  """The jitted ``update(state, batches) -> (state, UpdateMetrics)`` of ``parts``
+  on ``mesh`` (state donated; its output keeps the state's shardings, so a run
+  compiles it once per batch-shape bucket). ``ucfg`` / ``optim_cfg`` replace the
+  run's (SFT's own terms and optimizer). Shared: the same configs, state layout
+  and mesh give the same program object in this process."""
+  return _compiled(parts.model, ucfg or parts.update, state_lib.layout_parts(parts, optim_cfg),
+                   mesh, state_lib.rules_key(rules))

@@ -107,18 +107,23 @@ def _logits_block(h, w, temperature):
   return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32) / temperature
 
 
-def _geometry(hidden, unembed, time_chunk, vocab_chunk):
+def _geometry(hidden, unembed, time_chunk, vocab_chunk, vocab_limit=0):
+  """Block geometry; with ``vocab_limit`` only the first ``vocab_limit`` columns
+  of ``unembed`` are visited (the rest are outside the distribution)."""
   B, T, D = hidden.shape
   D2, V = unembed.shape
   if D != D2:
     raise ValueError(f"hidden last dim {D} != unembed first dim {D2}")
+  if vocab_limit and vocab_limit < V:
+    V = int(vocab_limit)
   tc = max(1, min(int(time_chunk), T))
   vc = max(1, min(int(vocab_chunk), V))
   return B, T, D, V, tc, -(-T // tc), vc, -(-V // vc)
 
 
-def _stats_forward(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent):
-  B, T, D, V, tc, nT, vc, nV = _geometry(hidden, unembed, time_chunk, vocab_chunk)
+def _stats_forward(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent,
+                   vocab_limit=0):
+  B, T, D, V, tc, nT, vc, nV = _geometry(hidden, unembed, time_chunk, vocab_chunk, vocab_limit)
   f32 = jnp.float32
   init = (
       jnp.full((B, T), -jnp.inf, f32),  # running max m
@@ -170,8 +175,8 @@ def _stats_forward(hidden, unembed, targets, temperature, time_chunk, vocab_chun
 
 
 def _stats_backward(hidden, unembed, targets, temperature, lse, ent, g_lse, g_ent, g_zy,
-                    time_chunk, vocab_chunk, want_ent):
-  B, T, D, V, tc, nT, vc, nV = _geometry(hidden, unembed, time_chunk, vocab_chunk)
+                    time_chunk, vocab_chunk, want_ent, vocab_limit=0):
+  B, T, D, V, tc, nT, vc, nV = _geometry(hidden, unembed, time_chunk, vocab_chunk, vocab_limit)
   f32 = jnp.float32
 
   def vbody(carry, v):
@@ -218,21 +223,25 @@ def _stats_backward(hidden, unembed, targets, temperature, lse, ent, g_lse, g_en
   return dh.astype(hidden.dtype), dw, dtemp
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _stats(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent):
-  return _stats_forward(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _stats(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent, vocab_limit):
+  return _stats_forward(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent,
+                        vocab_limit)
 
 
-def _stats_fwd(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent):
-  lse, ent, zy = _stats_forward(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent)
+def _stats_fwd(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, want_ent,
+               vocab_limit):
+  lse, ent, zy = _stats_forward(hidden, unembed, targets, temperature, time_chunk, vocab_chunk,
+                                want_ent, vocab_limit)
   return (lse, ent, zy), (hidden, unembed, targets, temperature, lse, ent)
 
 
-def _stats_bwd(time_chunk, vocab_chunk, want_ent, res, cts):
+def _stats_bwd(time_chunk, vocab_chunk, want_ent, vocab_limit, res, cts):
   hidden, unembed, targets, temperature, lse, ent = res
   g_lse, g_ent, g_zy = cts
   dh, dw, dtemp = _stats_backward(hidden, unembed, targets, temperature, lse, ent,
-                                  g_lse, g_ent, g_zy, time_chunk, vocab_chunk, want_ent)
+                                  g_lse, g_ent, g_zy, time_chunk, vocab_chunk, want_ent,
+                                  vocab_limit)
   return dh, dw, None, dtemp.astype(temperature.dtype)
 
 
@@ -262,7 +271,8 @@ def _check_inputs(hidden, unembed, targets):
 
 
 def logprob_stats(hidden, unembed, targets, *, temperature=1.0, time_chunk: int = DEFAULT_TIME_CHUNK,
-                  vocab_chunk: int = DEFAULT_VOCAB_CHUNK, compute_entropy: bool = True):
+                  vocab_chunk: int = DEFAULT_VOCAB_CHUNK, compute_entropy: bool = True,
+                  vocab_limit: int = 0):
   """Chunked per-token ``(lse, entropy, target_logit)`` over the given vocabulary slice.
 
   Differentiable (custom VJP, chunked backward) in ``hidden``, ``unembed`` and
@@ -271,28 +281,34 @@ def logprob_stats(hidden, unembed, targets, *, temperature=1.0, time_chunk: int 
 
   Returns three ``[B, T]`` float32 arrays (entropy is zeros when
   ``compute_entropy=False``). ``temperature`` must be > 0 and the chunks >= 1
-  (``ValueError`` naming the parameter otherwise).
+  (``ValueError`` naming the parameter otherwise). ``vocab_limit`` > 0: the
+  distribution is over the first ``vocab_limit`` columns only (ids a tokenizer
+  has; the unembedding's extra rows are never visited and get zero gradient).
   """
   _check_params(temperature, time_chunk, vocab_chunk)
   hidden, unembed, targets = _check_inputs(hidden, unembed, targets)
+  if isinstance(vocab_limit, bool) or not hasattr(vocab_limit, "__index__") or vocab_limit < 0:
+    raise ValueError(f"vocab_limit must be an int >= 0 (0 = every column), got {vocab_limit!r}")
   temperature = jnp.asarray(temperature, jnp.float32)
-  return _stats_call(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, compute_entropy)
+  return _stats_call(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, compute_entropy,
+                     int(vocab_limit))
 
 
-def _stats_call(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, compute_entropy):
+def _stats_call(hidden, unembed, targets, temperature, time_chunk, vocab_chunk, compute_entropy,
+                vocab_limit=0):
   # Under shard_map (check_vma) give every input the union of the inputs' varying
   # axes, so the custom-VJP cotangents have the inputs' types; the transpose of
   # that cast psums e.g. the replicated hidden's gradient over the vocab axis.
   hidden, unembed, targets, temperature = _varying(
       (hidden, unembed, targets, temperature), _vma(hidden, unembed, targets, temperature))
   return _stats(hidden, unembed, targets, temperature, int(time_chunk), int(vocab_chunk),
-                bool(compute_entropy))
+                bool(compute_entropy), int(vocab_limit))
 
 
 def token_logprobs_and_entropy(hidden, unembed, targets, *, temperature=1.0,
                                time_chunk: int = DEFAULT_TIME_CHUNK,
                                vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
-                               compute_entropy: bool = True):
+                               compute_entropy: bool = True, vocab_limit: int = 0):
   """Per-token log-probs and entropy without materialising ``[B, T, V]`` logits.
 
   Args:
@@ -304,6 +320,9 @@ def token_logprobs_and_entropy(hidden, unembed, targets, *, temperature=1.0,
     time_chunk: time steps per block (batch is kept whole), int >= 1.
     vocab_chunk: vocabulary columns per block, int >= 1; V need not be a multiple.
     compute_entropy: if False, entropy is skipped and ``None`` is returned for it.
+    vocab_limit: > 0: the distribution is over ids ``[0, vocab_limit)`` only
+      (a checkpoint's padded embedding rows beyond its tokenizer; a target id at
+      or above it is an error of the caller's).
 
   Returns:
     ``(logp [B, T] float32, entropy [B, T] float32 or None)``, both of the
@@ -313,7 +332,8 @@ def token_logprobs_and_entropy(hidden, unembed, targets, *, temperature=1.0,
     accumulator.
   """
   lse, ent, zy = logprob_stats(hidden, unembed, targets, temperature=temperature, time_chunk=time_chunk,
-                               vocab_chunk=vocab_chunk, compute_entropy=compute_entropy)
+                               vocab_chunk=vocab_chunk, compute_entropy=compute_entropy,
+                               vocab_limit=vocab_limit)
   return zy - lse, (ent if compute_entropy else None)
 
 

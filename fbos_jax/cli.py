@@ -1,11 +1,11 @@
-"""Shared launcher bits: put the repo and kernels/ on sys.path (no install needed)."""
+"""What the launchers in ``launch/`` share: absl flag parsing with a one-line
+error for a bad ``--config.*`` override. The project is installed
+(``pip install -r requirements.txt`` installs ``fbos_jax``, ``configs`` and
+``fbos_kernels`` in editable mode), so no launcher touches ``sys.path``."""
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (ROOT, os.path.join(ROOT, "kernels")):
-  if _p not in sys.path:
-    sys.path.insert(0, _p)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_flags(argv):

@@ -1,0 +1,280 @@
+"""The hardware side of a plan: topologies without the hardware, chip figures, HBM, the roofline.
+
+* :func:`topology_devices`: the abstract devices of a TPU topology (``v5p:2x4x4``;
+  XLA's TPU compiler from the ``libtpu`` wheel runs on a CPU host) or of GPU nodes
+  (``h100:2x8``; XLA's GPU compiler, deviceless);
+* :func:`hbm_bytes` / :func:`fit_fraction`: how much a program may take, as the
+  compiler reports it;
+* :data:`CHIP_SPECS` and :func:`roofline`: lower bounds on time from FLOPs at the
+  chip's bf16 peak and from the bytes a decode step must read at its HBM bandwidth.
+
+The programs themselves (what a step compiles, at which shapes) are in
+``fbos_jax/plan.py``; their shapes come from the rollout's shape model
+(``fbos_jax/rl/shapes.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fbos_jax import sharding as sh
+from fbos_jax.model import qwen
+
+GiB = 1024 ** 3
+FIT_FRACTION = 0.9  # a program fits when its peak is at most this share of HBM
+
+# Public per-chip figures used by the roofline (bf16 dense matmul peak, HBM
+# bandwidth). HBM capacity is NOT taken from here: the compiler reports it
+# (:func:`hbm_bytes`). Sources: Google Cloud TPU system-architecture pages
+# (v4, v5e, v5p, v6e), NVIDIA H100/H200 SXM datasheets.
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+  name: str
+  peak_bf16_flops: float  # per chip, FLOP/s
+  hbm_bandwidth: float  # per chip, bytes/s
+  devices_per_chip: int = 1  # JAX devices per chip (v4 exposes both TensorCores)
+
+
+CHIP_SPECS = {
+    "TPU v4": ChipSpec("TPU v4", 275e12, 1.228e12, devices_per_chip=2),
+    "TPU v5 lite": ChipSpec("TPU v5e", 197e12, 0.819e12),
+    "TPU v5": ChipSpec("TPU v5p", 459e12, 2.765e12),
+    "TPU v6 lite": ChipSpec("TPU v6e", 918e12, 1.640e12),
+    "NVIDIA H100": ChipSpec("NVIDIA H100 SXM", 989e12, 3.35e12),
+    "NVIDIA H200": ChipSpec("NVIDIA H200 SXM", 989e12, 4.8e12),
+}
+# HBM of common targets, for the abstract plan's "fits" lines (the compiled plan
+# asks the compiler instead); TPU values are what XLA reports as available.
+HBM_BYTES = {"v5p": int(95.74 * GiB), "v5e": int(15.75 * GiB), "v6e": int(31.25 * GiB),
+             "v4": int(30.5 * GiB), "h100": 80 * GiB, "h200": 141 * GiB, "a100": 80 * GiB}
+
+TOPOLOGY_FORMS = ("v4:2x2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x4x4", "v5p:4x4x4", "v6e:2x4",
+                  "v6e:4x4", "h100:2x8")
+_TPU_TOPOLOGY_RE = re.compile(r"^(v4|v5e|v5p|v6e):\d+x\d+(x\d+)?$")
+# GPUs: CHIP:NODESxGPUS_PER_NODE, compiled from an XLA GpuTargetConfig (no GPU needed)
+_GPU_TOPOLOGY_RE = re.compile(r"^(h100):(\d+)x(\d+)$")
+GPU_TARGETS = {"h100": "h100_sxm.txtpb"}  # in fbos_jax/gpu_specs/
+# JAX's GPU client takes this share of HBM by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
+GPU_FIT_FRACTION = 0.75
+
+
+class PlanError(ValueError):
+  """A topology, mesh or config the plan cannot build; the message says what to change."""
+
+
+# ----------------------------------------------------------------------------- topology
+
+
+def topology_devices(name: str) -> list:
+  """The abstract devices of a topology name: TPU ``v5p:2x4x4`` (XLA's TPU compiler,
+  ``pip install libtpu==0.0.42.1``) or GPU ``h100:2x8`` (2 nodes x 8 GPUs; XLA's GPU
+  compiler, ``pip install jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2``).
+  Neither needs the accelerator."""
+  if isinstance(name, str) and _GPU_TOPOLOGY_RE.match(name):
+    return _gpu_topology_devices(name)
+  if not isinstance(name, str) or not _TPU_TOPOLOGY_RE.match(name):
+    raise PlanError(f"--topology={name!r} is not a topology name; accepted forms are "
+                    f"GENERATION:AxB or GENERATION:AxBxC with GENERATION one of v4, v5e, v5p, "
+                    f"v6e (TPU chips), or h100:NODESxGPUS (GPU nodes), e.g. "
+                    f"{', '.join(TOPOLOGY_FORMS)}.")
+  try:
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=name)
+  except Exception as e:  # noqa: BLE001  (libtpu missing, or a shape it rejects)
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if "libtpu" in msg.lower() or "tpu" not in msg.lower() and "topology" not in msg.lower():
+      raise PlanError(f"cannot build the TPU topology {name!r}: {msg}. The TPU compiler comes "
+                      "with `pip install libtpu==0.0.42.1` (or `pip install -r "
+                      "requirements-test.txt`); no TPU is needed.") from None
+    raise PlanError(f"XLA rejects the topology {name!r}: {msg}. Accepted forms, e.g. "
+                    f"{', '.join(TOPOLOGY_FORMS)}.") from None
+  return list(topo.devices)
+
+
+def _gpu_target_config(chip: str) -> str:
+  import pathlib
+  return (pathlib.Path(__file__).parent / "gpu_specs" / GPU_TARGETS[chip]).read_text()
+
+
+def _gpu_topology_devices(name: str) -> list:
+  """Compile-only GPUs (jax-ml/jax#28376: a GpuTargetConfig + ``jax_platforms=cpu``).
+  The topology string is <partitions>x<hosts per partition>x<devices per host>,
+  one NVLink domain per node."""
+  chip, nodes, per_node = _GPU_TOPOLOGY_RE.match(name).groups()
+  if "cpu" not in (jax.config.jax_platforms or ""):
+    raise PlanError(f"--topology={name}: the GPU compiler runs deviceless only with "
+                    "JAX_PLATFORMS=cpu set before JAX starts (launch/train.py's dry run sets it)")
+  try:
+    from jax.experimental import topologies
+    topo = topologies.get_topology_desc(platform="cuda", target_config=_gpu_target_config(chip),
+                                        topology=f"{nodes}x1x{per_node}")
+  except (NotImplementedError, RuntimeError, ValueError) as e:
+    raise PlanError(f"cannot build the GPU topology {name!r} ({str(e).splitlines()[0][:200]}); "
+                    "XLA's GPU compiler comes with `pip install jax-cuda12-plugin==0.10.2 "
+                    "jax-cuda12-pjrt==0.10.2` (no GPU needed)") from None
+  return list(topo.devices)
+
+
+def chip_spec(device) -> ChipSpec:
+  kind = device.device_kind
+  for k in sorted(CHIP_SPECS, key=len, reverse=True):
+    if kind == k or kind.startswith(k + " "):
+      return CHIP_SPECS[k]
+  if kind in CHIP_SPECS:
+    return CHIP_SPECS[kind]
+  raise PlanError(f"no roofline figures for device kind {kind!r}; add it to "
+                  "fbos_jax.hardware.CHIP_SPECS.")
+
+
+_HBM_RE = re.compile(r"exceeds available HBM \(([\d.]+)([KMGT]?)\)")
+
+
+@functools.lru_cache(maxsize=None)
+def _hbm_of_kind(kind: str, devices: tuple) -> int:
+  mesh = jax.sharding.Mesh(np.asarray(devices[:1]), ("x",))
+  rep = NamedSharding(mesh, P())
+  big = jax.ShapeDtypeStruct((64 * GiB,), jnp.int8, sharding=rep)
+  try:
+    jax.jit(lambda x: x + 1, out_shardings=rep).lower(big).compile()
+  except Exception as e:  # noqa: BLE001
+    m = _HBM_RE.search(str(e))
+    if m:
+      unit = {"": 1, "K": 1024, "M": 1024 ** 2, "G": GiB, "T": 1024 ** 4}[m.group(2)]
+      return int(float(m.group(1)) * unit)
+  raise PlanError(f"could not read the HBM size of {kind!r} from the compiler")
+
+
+def hbm_bytes(device) -> int:
+  """HBM one device may use. TPU: as XLA's TPU compiler reports it (e.g. 95.74 GiB
+  on v5p, 15.75 GiB on v5e), read from its out-of-memory message for a deliberately
+  oversized program (cached per device kind). GPU: the compiler does not refuse
+  programs larger than HBM, so the target config's ``device_memory_size``."""
+  if device.platform == "gpu":
+    chip = next(c for c in GPU_TARGETS if c.upper() in device.device_kind.upper())
+    return int(re.search(r"device_memory_size:\s*(\d+)", _gpu_target_config(chip)).group(1))
+  return _hbm_of_kind(device.device_kind, (device,))
+
+
+def fit_fraction(device) -> float:
+  """The share of HBM a program may take: 90% on TPU; on GPU the 75% JAX's client
+  preallocates by default (raise it with XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+  return GPU_FIT_FRACTION if device.platform == "gpu" else FIT_FRACTION
+
+
+def target_mesh(config, devices, topology: str = "") -> jax.sharding.Mesh:
+  """The config's mesh (``config.mesh``) over ``devices``; a mismatch names both numbers."""
+  try:
+    return sh.make_mesh(config.mesh, devices)
+  except sh.ShardingError as e:
+    where = f"the topology {topology} has" if topology else "there are"
+    raise PlanError(f"{e} ({where} {len(devices)} devices; the mesh config "
+                    f"{_mesh_str(config.mesh)} does not fit them)") from None
+
+
+def _mesh_str(m) -> str:
+  return ", ".join(f"mesh.{a}={m.get(a, 1)}" for a in sh.MESH_AXES)
+
+
+# ----------------------------------------------------------------------------- FLOPs and roofline
+
+
+def _trunk_matmul_params(mc: qwen.ModelConfig) -> int:
+  d, h, k, dh, f = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.intermediate_size
+  return mc.num_layers * (d * h * dh + 2 * d * k * dh + h * dh * d + 3 * d * f)
+
+
+def analytic_flops(mc: qwen.ModelConfig, *, kind: str, rows: int, seq: int = 0,
+                   prompt_len: int = 0, response_len: int = 0, prompts: int = 0,
+                   n: int = 1, remat: str = "none") -> float:
+  """Matmul FLOPs of one program call (all devices), counting every loop iteration.
+
+  * ``train``: rows x seq tokens through the trunk (causal attention: on average
+    seq/2 keys per query), logits only on the response_len positions; forward +
+    backward = 3x the forward, plus one more trunk forward when the layer is
+    rematerialised in full (``remat='full'``).
+  * ``logprob``: the forward of ``train`` only.
+  * ``sample``: a prefill of ``prompts`` x prompt_len tokens, then
+    ``response_len - 1`` decode steps of ``rows = prompts * n`` tokens against a
+    cache filled to prompt_len + t (all steps run: the loop's upper bound).
+  """
+  trunk = _trunk_matmul_params(mc)
+  attn = 4 * mc.num_layers * mc.num_heads * mc.head_dim  # per (query, key) pair: QK^T and PV
+  head = 2 * mc.hidden_size * mc.vocab_size  # logits of one position
+  if kind in ("train", "logprob"):
+    tokens = rows * seq
+    fwd_trunk = 2 * trunk * tokens + attn * rows * seq * (seq + 1) / 2
+    fwd = fwd_trunk + head * rows * response_len
+    if kind == "logprob":
+      return float(fwd)
+    return float(3 * fwd + (fwd_trunk if remat == "full" else 0))
+  if kind == "sample":
+    pre = 2 * trunk * prompts * prompt_len + attn * prompts * prompt_len * (prompt_len + 1) / 2
+    pre += head * prompts
+    steps = max(response_len - 1, 0)
+    ctx = steps * prompt_len + steps * (steps + 1) / 2  # keys read over all decode steps
+    dec = (2 * trunk + head) * rows * steps + attn * rows * ctx
+    return float(pre + dec)
+  raise ValueError(f"kind={kind!r}")
+
+
+
+def _param_bytes_per_device_decode(model_cfg, mesh) -> float:
+  """Weight bytes one device reads per decode step: its tensor-parallel share of
+  all weights (FSDP shards are gathered for the matmuls)."""
+  n = qwen.count_params(qwen.abstract_params(model_cfg))
+  return n * jnp.dtype(model_cfg.compute_dtype).itemsize / mesh.shape["tensor"]
+
+
+def _kv_bytes_per_device(model_cfg, mesh, rows: int, ctx: float) -> float:
+  per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
+  per_token *= jnp.dtype(model_cfg.compute_dtype).itemsize
+  shards = sh.batch_shard_count(mesh) * min(mesh.shape["tensor"], model_cfg.num_kv_heads)
+  return rows * ctx * per_token / shards
+
+
+def roofline(model_cfg, mesh, chip: ChipSpec, sampler_shapes: dict, reports: dict) -> dict:
+  """Lower bounds on time from the analytic FLOPs (at the chip's bf16 peak) and
+  the bytes a decode step must read (at its HBM bandwidth), for the sampler
+  calls ``sampler_shapes`` (``fbos_jax.rl.shapes.sampler_shapes``) and the
+  compiled ``reports``. Not a measurement."""
+  n_dev = mesh.size
+  peak = chip.peak_bf16_flops / chip.devices_per_chip  # per JAX device
+  bw = chip.hbm_bandwidth / chip.devices_per_chip
+  out: dict[str, Any] = {"chip": chip.name, "peak_bf16_flops_per_chip": chip.peak_bf16_flops,
+                         "hbm_bandwidth_per_chip": chip.hbm_bandwidth}
+  step = 0.0
+  useful = 0.0
+  for name, s in sampler_shapes.items():
+    pre = analytic_flops(model_cfg, kind="sample", rows=s.prompts, prompts=s.prompts,
+                         prompt_len=s.prompt_len, response_len=1)
+    pre_s = pre / (n_dev * peak)
+    ctx = s.prompt_len + s.max_new_tokens / 2
+    bytes_tok = _param_bytes_per_device_decode(model_cfg, mesh) + _kv_bytes_per_device(
+        model_cfg, mesh, s.rows, ctx)
+    dec_flops_tok = analytic_flops(model_cfg, kind="sample", rows=s.rows, prompts=0, prompt_len=0,
+                                   response_len=2) / n_dev
+    per_tok = max(bytes_tok / bw, dec_flops_tok / peak)
+    t = pre_s + (s.max_new_tokens - 1) * per_tok
+    out[name] = {"prefill_s": pre_s, "decode_s_per_token": per_tok,
+                 "decode_bound": "memory" if bytes_tok / bw >= dec_flops_tok / peak else "compute",
+                 "total_s": t}
+    if name.startswith("sample"):
+      step += t
+      useful += reports[name].flops if name in reports else 0.0
+  upd = reports.get("update")
+  if upd is not None:  # its FLOPs already count every epoch and mini-batch
+    t = upd.flops / (n_dev * peak)
+    out["update"] = {"total_s": t}
+    step += t
+    useful += upd.flops
+  out["step_s"] = step
+  out["mfu_bound"] = useful / (step * n_dev * peak) if step else 0.0
+  return out

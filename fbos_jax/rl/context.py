@@ -1,0 +1,170 @@
+"""The run's parts in one object: typed configs, mesh, tokenizer, prompts, verifiers, one ``sample``.
+
+A :class:`RolloutContext` is built once per run (:meth:`RolloutContext.build`)
+and handed to the rollout phases, the evaluation, the SFT warm start and the
+export check. It holds:
+
+* ``parts``: the typed configs of :func:`fbos_jax.rl.config.build_parts`
+  (model, the sampler settings of each call kind, the rollout spec, the
+  update, the optimizer);
+* the mesh and its logical rules;
+* the tokenizer, the prompt builder (``fbos_jax/templates.py``) and the
+  verifier pool (``fbos_jax/verifiers/base.py``);
+* the bound of the feedback prompts this task can produce (``fap_budget``).
+
+:meth:`RolloutContext.sample` is the one sampler call of the project: every
+caller names the kind of call (``parts.sampling.round1`` / ``round2`` /
+``eval`` / ``eval_sampled``) and gets decoded texts with the tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from fbos_jax import buckets
+from fbos_jax import sharding as sh
+from fbos_jax import templates
+from fbos_jax.rl import config as config_lib
+
+
+class Samples(NamedTuple):
+  """n samples per context, prompt-major (row ``i * n + j``: sample j of context i).
+
+  tokens [N, R] int32, mask [N, R] int32 (1 on generated tokens, stop included),
+  logp [N, R] float32 (the sampler's log-probs), lengths [N] int32, texts [N] str."""
+  tokens: np.ndarray
+  mask: np.ndarray
+  logp: np.ndarray
+  lengths: np.ndarray
+  texts: list
+
+
+class DecodeError(ValueError):
+  """A sampled id the tokenizer does not have (never silently dropped)."""
+
+
+class RolloutContext:
+  """Everything the host side of a step needs, built once (see the module doc)."""
+
+  def __init__(self, parts: config_lib.RunParts, *, tokenizer, prompt_builder, pool, mesh=None,
+               rules=None, fap_budget: Optional[dict] = None):
+    self.parts = parts
+    self.spec = parts.rollout
+    self.model_cfg = parts.model
+    self.tokenizer = tokenizer
+    self.prompts = prompt_builder
+    self.pool = pool
+    self.mesh = mesh
+    self.rules = rules if rules is not None else dict(sh.DEFAULT_RULES)
+    self.fap_budget = fap_budget
+    self.pad_id = parts.sampling.round1.pad_id
+    self.stop_ids = tuple(parts.sampling.round1.stop_token_ids)
+    self.threshold = parts.rollout.success_threshold
+
+  @classmethod
+  def build(cls, config, workdir: str, *, mesh=None, tokenizer=None, verifier=None,
+            check_budget: bool = True, with_pool: bool = True) -> "RolloutContext":
+    """The context of ``config``: loads (or takes) the tokenizer, checks it
+    against the model and template, builds the typed parts, the prompt builder
+    and (``with_pool``) the verifier pool, and checks the FAP budget
+    (``check_budget``)."""
+    from fbos_jax import tokenizer as tok_lib
+    from fbos_jax.rl import fap_budget as budget_lib
+    from fbos_jax.verifiers.base import VerifierPool, make_verifier
+    if tokenizer is None:
+      tok_path = tok_lib.resolve_tokenizer_path(config, workdir)  # tiny: the char tokenizer
+      tokenizer = tok_lib.load_tokenizer(tok_path)
+      tok_lib.check_tokenizer_compat(tokenizer, vocab_size=config.model.vocab_size,
+                                     template_style=config.templates.style,
+                                     tokenizer_path=tok_path)
+    if len(tokenizer) > int(config.model.vocab_size):
+      raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than the "
+                       f"tokenizer's {len(tokenizer)} tokens")
+    parts = config_lib.build_parts(config, pad_id=int(tokenizer.pad_token_id),
+                                   eos_id=int(tokenizer.eos_token_id),
+                                   vocab_limit=len(tokenizer))
+    vc, pool = config.verifier, None
+    if with_pool:
+      pool = VerifierPool(verifier if verifier is not None else make_verifier(config.data),
+                          num_workers=vc.workers, timeout_s=vc.timeout_s, backend=vc.backend,
+                          reward_range=tuple(vc.reward_range),
+                          max_abandoned_threads=vc.max_abandoned_threads)
+    budget = (budget_lib.check_fap_budget(config, parts, tokenizer) if check_budget else None)
+    return cls(parts, tokenizer=tokenizer,
+               prompt_builder=templates.PromptBuilder(tokenizer, config.templates), pool=pool,
+               mesh=mesh, rules=sh.rules_dict(config.mesh.rules), fap_budget=budget)
+
+  # ----------------------------------------------------------------- prompts
+  def prompt_ids(self, example) -> list:
+    """The round-1 (and eval) context of an example: q, or <EF>c+</EF>q
+    (``rl.prompt=fcp``). A prompt too long for the template budget or the
+    largest round-1 prompt bucket raises, naming the record (file:line and id)
+    and the fields that decide it."""
+    from fbos_jax import data as data_lib
+    longest = max(self.parts.sampling.round1.prompt_buckets)
+    hint = ("raise the budget, or drop such records at load with "
+            "--config.data.max_prompt_tokens=N (data.over_long=filter)")
+    try:
+      if self.spec.prompt == "fcp":
+        ids = self.prompts.fcp(example["prompt"], self.spec.fcp_positive_feedback).token_ids
+      else:
+        ids = self.prompts.plain(example["prompt"]).token_ids
+    except templates.PromptTooLongError as e:
+      raise buckets.BucketError(f"the prompt of {data_lib.locate(example)}: {e} "
+                                f"(templates.max_prompt_tokens); {hint}") from None
+    if len(ids) > longest:
+      raise buckets.BucketError(
+          f"the prompt of {data_lib.locate(example)} has {len(ids)} tokens, more than the "
+          f"largest sampling.prompt_buckets={longest}; {hint}")
+    return ids
+
+  # ----------------------------------------------------------------- text
+  def decode(self, tokens: np.ndarray, lengths: np.ndarray) -> list:
+    """Response texts of sampled rows [N, R] (up to their lengths; stop ids and
+    special tokens left out). An id the tokenizer does not have raises
+    :class:`DecodeError`: the verifier must see the tokens the update trains on."""
+    known = len(self.tokenizer)
+    out = []
+    for i, (row, n) in enumerate(zip(np.asarray(tokens), np.asarray(lengths))):
+      ids = [int(t) for t in row[:int(n)]]
+      bad = [t for t in ids if not 0 <= t < known]
+      if bad:
+        raise DecodeError(f"sampled row {i} holds id(s) {sorted(set(bad))[:5]} that the "
+                          f"tokenizer ({known} tokens) does not have; the sampler's "
+                          f"vocab_limit must be the tokenizer's size")
+      out.append(self.tokenizer.decode([t for t in ids if t not in self.stop_ids],
+                                       skip_special_tokens=True))
+    return out
+
+  def verify(self, examples: Sequence, texts: Sequence[str]):
+    """Verdicts of the pool (timeouts, fault isolation, reward range) as
+    (rewards [N] float32, feedback [N] str, is_error [N] bool, pool stats).
+    An error verdict's reward is a placeholder and its feedback is empty."""
+    if not len(texts):
+      return np.zeros(0, np.float32), [], np.zeros(0, bool), {}
+    verdicts, stats = self.pool.run(list(examples), list(texts))
+    rewards = np.asarray([v.reward for v in verdicts], np.float32)
+    errors = np.asarray([v.is_error for v in verdicts], bool)
+    return rewards, [v.feedback for v in verdicts], errors, stats
+
+  # ----------------------------------------------------------------- sampling
+  def sample(self, params, contexts: list, n: int, key, sampling) -> Samples:
+    """n samples of each context under ``sampling`` (one of ``parts.sampling``'s
+    configs): the one sampler call of the project (rollout rounds, eval, SFT's
+    own failures, the export check). Contexts may be empty on every process
+    (0 rows)."""
+    from fbos_jax import sampling as sampling_lib
+    out = sampling_lib.sample(params, self.model_cfg, contexts, key=key, n_per_prompt=n,
+                              config=sampling, mesh=self.mesh, rules=self.rules,
+                              allow_empty=True)
+    texts = self.decode(out.tokens, out.lengths) if out.tokens.shape[0] else []
+    return Samples(np.asarray(out.tokens, np.int32), np.asarray(out.response_mask, np.int32),
+                   np.asarray(out.logprobs, np.float32), np.asarray(out.lengths, np.int32),
+                   texts)
+
+  def close(self):
+    close = getattr(self.pool, "close", None)
+    if close:
+      close()

@@ -1,0 +1,128 @@
+"""The shape model of a step: the one home of "how big can it get".
+
+The rollout pads its batches with these functions (:func:`padded_rows`,
+:func:`batch_prompt_buckets`), and the compiled plan (``fbos_jax/plan.py``)
+compiles the programs at :func:`step_shapes`, the largest shapes a config can
+produce; neither keeps a second model of the other's shapes.
+
+Per batch of the objective (a term's ``batch``), from the rollout spec
+(P prompts per step, n round-1 rollouts per prompt, m round-2 rollouts per
+prompt, a appended EPA rows per prompt)::
+
+    epa  P * (n + a) rows   prompts q         sampling.prompt_buckets
+    ecc  P * m rows         FAPs              sampling.fap_prompt_buckets
+    fcp  P * n rows         <EF>c</EF>q       sampling.fap_prompt_buckets
+
+Sampler calls: round 1 (P prompts x n), round 2 (P*m FAPs x 1, or GOLF's P
+aggregated prompts x m), eval (greedy, and pass@k at temperature 1), each
+chunked by the sampler's batch buckets (:func:`fbos_jax.sampling.call_buckets`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fbos_jax import buckets
+from fbos_jax.rl.config import RunParts
+
+PROMPT_FIELDS = {"epa": "sampling.prompt_buckets", "ecc": "sampling.fap_prompt_buckets",
+                 "fcp": "sampling.fap_prompt_buckets"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerShape:
+  """One sampler program: ``prompts`` left-padded prompts of ``prompt_len``
+  tokens, ``n`` samples each, ``max_new_tokens`` new tokens, under ``sampling``
+  (the :class:`fbos_jax.sampling.SamplingConfig` of the call)."""
+  prompts: int
+  prompt_len: int
+  n: int
+  sampling: object
+
+  @property
+  def rows(self) -> int:
+    return self.prompts * self.n
+
+  @property
+  def max_new_tokens(self) -> int:
+    return int(self.sampling.max_new_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateShape:
+  """One update batch: ``rows`` sequences of ``prompt_len + response_len`` tokens."""
+  rows: int
+  prompt_len: int
+  response_len: int
+
+  @property
+  def seq_len(self) -> int:
+    return self.prompt_len + self.response_len
+
+
+def batch_rows(parts: RunParts, name: str, prompts: int = 0) -> int:
+  """The most rows batch ``name`` can have in a step of ``prompts`` prompts
+  (default ``rl.prompts_per_step``)."""
+  spec = parts.rollout
+  p = prompts or spec.prompts_per_step
+  per_prompt = {"epa": spec.group_size + spec.epa_extra, "ecc": spec.round2_size,
+                "fcp": spec.group_size}
+  if name not in per_prompt:
+    raise ValueError(f"unknown batch {name!r}; the rollout builds {sorted(per_prompt)}")
+  return p * per_prompt[name]
+
+
+def batch_prompt_buckets(parts: RunParts, name: str) -> tuple:
+  """(prompt buckets, their config field) of batch ``name``."""
+  sampling = parts.sampling.round1 if name == "epa" else parts.sampling.round2
+  return tuple(sampling.prompt_buckets), PROMPT_FIELDS[name]
+
+
+def row_multiple(parts: RunParts, batch_shards: int) -> int:
+  """Rows of every batch divide by this: batch shards x micro- x mini-batches."""
+  return max(int(batch_shards), 1) * parts.update.row_multiple
+
+
+def padded_rows(parts: RunParts, name: str, rows: int, batch_shards: int, *,
+                prompts: int = 0) -> int:
+  """The padded row count of ``rows`` rows of batch ``name`` (a power-of-two
+  bucket; with ``rl.fixed_row_buckets`` at least the most the batch can have, so
+  the run compiles one update program), a multiple of :func:`row_multiple`."""
+  if parts.rollout.fixed_row_buckets:
+    rows = max(int(rows), batch_rows(parts, name, prompts))
+  return buckets.bucket_rows(rows, row_multiple(parts, batch_shards))
+
+
+def update_shapes(parts: RunParts, batch_shards: int) -> dict:
+  """{batch name: UpdateShape} of the update's terms at the largest row counts
+  and prompt buckets a step can produce (what the trainer pads to)."""
+  out = {}
+  for name in parts.update.batch_names:
+    pb, _ = batch_prompt_buckets(parts, name)
+    rows = padded_rows(parts, name, batch_rows(parts, name), batch_shards)
+    out[name] = UpdateShape(rows, max(pb), parts.sampling.round1.max_new_tokens)
+  return out
+
+
+def sampler_shapes(parts: RunParts, batch_shards: int, *, eval_prompts: int = 0,
+                   eval_k: int = 1) -> dict:
+  """{name: SamplerShape} of the largest sampler programs one step (and the
+  eval, with ``eval_prompts`` > 0) runs: the largest chunk of each call."""
+  from fbos_jax import sampling as sampling_lib
+  spec, sp = parts.rollout, parts.sampling
+
+  def shape(prompts, n, sampling):
+    calls = sampling_lib.call_buckets(prompts, sampling.batch_buckets, batch_shards)
+    return SamplerShape(max(calls), max(sampling.prompt_buckets), n, sampling)
+
+  out = {"sample_round1": shape(spec.prompts_per_step, spec.group_size, sp.round1)}
+  if spec.round2:
+    if spec.fap_mode == "aggregated":
+      out["sample_round2"] = shape(spec.prompts_per_step, spec.round2_size, sp.round2)
+    else:
+      out["sample_round2"] = shape(spec.prompts_per_step * spec.round2_size, 1, sp.round2)
+  if eval_prompts > 0:
+    out["eval_greedy"] = shape(eval_prompts, 1, sp.eval)
+    if eval_k > 1:
+      out["eval_sampled"] = shape(eval_prompts, eval_k, sp.eval_sampled)
+  return out

@@ -1,0 +1,50 @@
+"""Small configs and meshes for tests, shared by the suite and its subprocess workers.
+
+``small_config("configs/fbos.py:tiny")`` is the tiny variant shrunk so that a
+step takes seconds on 2 CPU cores: 4 prompts, groups of 4 (GFPO: 6), 6 new
+tokens, a one-layer model, 1-2 digit sums. Tests that build the same shrunk
+config share every compiled program (the update and state builders are cached
+per config, ``fbos_jax/rl/update.py``; the samplers per shape bucket).
+"""
+
+from __future__ import annotations
+
+import jax
+
+import configs
+
+
+def small_config(spec: str, **overrides):
+  """A tiny config shrunk further, with dotted-field ``overrides``."""
+  c = configs.load(spec)
+  c.rl.prompts_per_step = 4
+  c.rl.group_size = 4 if not c.rl.gfpo_k and not c.rl.gfpo_adaptive else 6
+  if c.rl.gfpo_k:
+    c.rl.gfpo_k = 3
+  c.rl.round2_size = 4
+  c.rl.epa_max_per_prompt = 4
+  c.sampling.max_new_tokens = 6
+  c.train.steps = 2
+  c.train.eval_every = 0
+  c.train.eval_prompts = 8
+  c.train.checkpoint_every = 2
+  c.train.warm_start = ""
+  c.train.progress = False
+  c.model.num_layers = 1
+  c.model.hidden_size = 64
+  c.model.intermediate_size = 128
+  c.model.num_heads = 2
+  c.model.num_kv_heads = 1
+  # 1-2 digit sums: answers fit the 6 new tokens above and feedback names digits
+  # (the tiny default task, sorting 4-10 digits, runs in test_default_task_runs)
+  c.data.task = "arithmetic"
+  c.data.difficulty, c.data.max_difficulty = 1, 2
+  for dotted, value in overrides.items():
+    configs.set_field(c, dotted, value)
+  return c
+
+
+def one_device_mesh():
+  """A mesh over the first device only (the default axes, all of size 1)."""
+  from fbos_jax import sharding as sh
+  return sh.make_mesh({"data": 1}, devices=jax.devices()[:1])
