@@ -1,6 +1,9 @@
-"""Test session setup: 8 fake CPU devices, and the in-repo kernels package on sys.path."""
+"""Test session setup: 8 fake CPU devices, a persistent compilation cache, and the
+fixtures tests share (the project is installed in editable mode: nothing here
+touches sys.path)."""
 import os
-import sys
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -17,7 +20,18 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fbos_jax", "jax_tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (_ROOT, os.path.join(_ROOT, "kernels")):
-  if p not in sys.path:
-    sys.path.insert(0, p)
+
+
+@pytest.fixture
+def small():
+  """``small(spec, **{"dotted.field": value})``: the tiny config shrunk for tests
+  (``fbos_jax.testing.small.small_config``)."""
+  from fbos_jax.testing.small import small_config
+  return small_config
+
+
+@pytest.fixture
+def one_device_mesh():
+  """A mesh over the first device."""
+  from fbos_jax.testing.small import one_device_mesh as mesh
+  return mesh()

@@ -13,10 +13,6 @@ import numpy as np
 import optax
 import pytest
 
-from test_configs import load
-from test_trainer import one_device_mesh, small
-from test_update_step import CFG, P_LEN, R_LEN, _batch, _params, _state
-
 from fbos_jax import metrics as metrics_lib
 from fbos_jax import tasks
 from fbos_jax import templates
@@ -24,11 +20,16 @@ from fbos_jax import tokenizer as tk
 from fbos_jax.model import qwen
 from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import config as C
-from fbos_jax.rl import env as env_lib
+from fbos_jax.rl import fap_budget
 from fbos_jax.rl import rollout as R
-from fbos_jax.rl import update as U
 from fbos_jax.rl.trainer import RLTrainer
+from fbos_jax.testing import toy
 from fbos_jax.verifiers import procedural
+from configs import load
+
+CFG, P_LEN, R_LEN = toy.CFG, toy.P_LEN, toy.R_LEN
+_batch, _params = toy.batch, toy.params
+PARITY = "fbos_jax.testing.small:parity_reward"
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +44,11 @@ def _two_terms(w=(1.0, 1.0), schedule="joint", lc=C.LossConfig()):
 
 
 def _run(ucfg, params, epa, ecc, step, lr=0.5):
-  opt = optax.sgd(lr)
-  state = _state(params, opt).replace(step=jnp.asarray(step, jnp.int32))
-  new, m = jax.jit(U.make_update_fn(CFG, opt, ucfg))(state, {"epa": epa, "ecc": ecc})
+  """One SGD update step of ``ucfg``'s two terms at loop step ``step`` (shared programs)."""
+  opt = ("sgd", lr)
+  state = toy.state(params, opt).replace(step=jnp.asarray(step, jnp.int32))
+  fn = toy.step(opt, tuple(t.weight for t in ucfg.terms), ucfg.loss, schedule=ucfg.schedule)
+  new, m = fn(state, epa, ecc)
   return jax.device_get(new.params), jax.device_get(m)
 
 
@@ -68,10 +71,10 @@ def test_alternate_schedule_trains_epa_on_even_steps_and_ecc_on_odd():
     got, m = _run(alt, params, epa, ecc, step)
     want, _ = _run(_two_terms(only), params, epa, ecc, step)
     _assert_same(got, want)
-    assert float(m[f"grad_norm_{off}"]) == 0.0
+    assert float(m.terms[off].grad_norm) == 0.0
     on = "epa" if off == "ecc" else "ecc"
-    assert float(m[f"grad_norm_{on}"]) > 0
-    assert float(m["grad_norm"]) == pytest.approx(float(m[f"grad_norm_{on}"]), rel=1e-6)
+    assert float(m.terms[on].grad_norm) > 0
+    assert float(m.grad_norm) == pytest.approx(float(m.terms[on].grad_norm), rel=1e-6)
   # joint: both terms move the params, so it differs from either alone
   joint, _ = _run(_two_terms(), params, epa, ecc, 0)
   epa_alone, _ = _run(_two_terms((1.0, 0.0)), params, epa, ecc, 0)
@@ -124,9 +127,9 @@ def test_two_term_loss_is_w1_L1_over_D1_plus_w2_L2_over_D2(agg):
   l1, d1 = _hand_term(params, epa, agg)
   l2, d2 = _hand_term(params, ecc, agg)
   want = w[0] * l1 / d1 + w[1] * l2 / d2
-  assert float(m["loss"]) == pytest.approx(want, rel=2e-5, abs=1e-7)
-  assert float(m["epa_loss"]) == pytest.approx(l1 / d1, rel=2e-5, abs=1e-7)
-  assert float(m["ecc_loss"]) == pytest.approx(l2 / d2, rel=2e-5, abs=1e-7)
+  assert float(m.loss) == pytest.approx(want, rel=2e-5, abs=1e-7)
+  assert float(m.terms["epa"].stats.loss) == pytest.approx(l1 / d1, rel=2e-5, abs=1e-7)
+  assert float(m.terms["ecc"].stats.loss) == pytest.approx(l2 / d2, rel=2e-5, abs=1e-7)
 
 
 def test_per_term_gradients_sum_to_the_step_gradient_and_onpolicy_entropy():
@@ -146,10 +149,10 @@ def test_per_term_gradients_sum_to_the_step_gradient_and_onpolicy_entropy():
     return jax.grad(lambda p: O.term_objective(p, CFG, b, ucfg.terms[i], lc, w[i], d)[0])(params)
 
   g1, g2 = term_grad(0, epa), term_grad(1, ecc)
-  assert float(m["grad_norm_epa"]) == pytest.approx(float(optax.tree.norm(g1)), rel=1e-5)
-  assert float(m["grad_norm_ecc"]) == pytest.approx(float(optax.tree.norm(g2)), rel=1e-5)
+  assert float(m.terms["epa"].grad_norm) == pytest.approx(float(optax.tree.norm(g1)), rel=1e-5)
+  assert float(m.terms["ecc"].grad_norm) == pytest.approx(float(optax.tree.norm(g2)), rel=1e-5)
   total = jax.tree.map(jnp.add, g1, g2)
-  assert float(m["grad_norm"]) == pytest.approx(float(optax.tree.norm(total)), rel=1e-5)
+  assert float(m.grad_norm) == pytest.approx(float(optax.tree.norm(total)), rel=1e-5)
   # the entropy of the on-policy rows, by hand from full logits
   logits = qwen.apply(params, jnp.asarray(epa.tokens), jnp.asarray(epa.attn_mask), CFG)
   z = logits[:, P_LEN - 1:P_LEN - 1 + R_LEN].astype(jnp.float32)
@@ -159,32 +162,26 @@ def test_per_term_gradients_sum_to_the_step_gradient_and_onpolicy_entropy():
   want_on = (ent * mask)[on].sum() / mask[on].sum()
   want_all = (ent * mask).sum() / mask.sum()
   assert abs(want_on - want_all) > 4e-5 * want_all  # the two differ beyond the tolerance
-  assert float(m["entropy_onpolicy"]) == pytest.approx(want_on, rel=1e-5)
-  assert float(m["epa_entropy"]) == pytest.approx(want_all, rel=1e-5)
+  assert float(m.terms["epa"].stats.entropy_onpolicy) == pytest.approx(want_on, rel=1e-5)
+  assert float(m.terms["epa"].stats.entropy) == pytest.approx(want_all, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- EPA provenance
 
 
-def parity_reward(example, response):
-  """A verifier a random model passes about half the time (even-length answers),
-  so round 2 has correct rows for EPA to pull back."""
-  ok = len(response) % 2 == 0
-  return float(ok), "correct" if ok else f"the answer has odd length {len(response)}"
-
-
-def test_epa_offpolicy_rows_carry_q_round2_tokens_and_round2_logps(tmp_path):
-  c = small("configs/fbos.py:tiny", **{"data.verifier": "test_fbos_evidence:parity_reward"})
-  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh(), log_metrics=False)
+def test_epa_offpolicy_rows_carry_q_round2_tokens_and_round2_logps(tmp_path, small,
+                                                                  one_device_mesh):
+  c = small("configs/fbos.py:tiny", **{"data.verifier": PARITY})
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh, log_metrics=False)
   ctx, params = tr.ctx, tr.init_state().params
-  examples = tr.env.next_train_batch()
+  examples = next(tr.train_iter)
   k1, k2 = jax.random.split(jax.random.key(3))
   r1 = R.round1(ctx, params, examples, k1)
   R.verify(ctx, r1, examples)
   r2 = R.ROUND2["single"](ctx, params, examples, r1, k2)
   R.verify(ctx, r2, examples)
-  rows, m, _ = R.epa_rows(ctx, examples, r1, r2, None, np.random.default_rng(0))
-  q = [R.prompt_ids(ctx, ex) for ex in examples]
+  rows, m = R.epa_rows(ctx, examples, r1, r2)
+  q = [ctx.prompt_ids(ex) for ex in examples]
   off = np.flatnonzero(rows.offpolicy)
   assert m["epa/injected"] == len(off) > 0
   n, mm = r1.shape[1], r2.shape[1]
@@ -273,7 +270,7 @@ def _worst_responses(tok, length, rng):
 def test_feedback_bound_holds_for_adversarial_responses(char_tok, task, lo, hi, style):
   rng = random.Random(0)
   r = 12
-  chars = r * env_lib.longest_token_chars(char_tok)
+  chars = r * fap_budget.longest_token_chars(char_tok)
   bound = tasks.longest_feedback_chars(task, hi, chars, style=style)
   longest = 0
   for i in range(40):
@@ -289,7 +286,7 @@ def test_feedback_bound_holds_for_adversarial_responses(char_tok, task, lo, hi, 
 @pytest.mark.parametrize("variant", ["tiny", "tiny_hard"])
 def test_the_longest_fap_of_the_tiny_tasks_fits_uncut(char_tok, variant):
   c = load(f"configs/fbos.py:{variant}")
-  need = env_lib.longest_fap_tokens(c, char_tok)
+  need = fap_budget.longest_fap_tokens(c, C.build_parts(c), char_tok)
   budget = c.templates.max_prompt_tokens
   assert need["fap"] <= budget <= max(c.sampling.fap_prompt_buckets)
   assert need["aggregated"] <= budget and need["fcp"] <= budget
@@ -314,7 +311,7 @@ def test_the_longest_fap_of_the_tiny_tasks_fits_uncut(char_tok, variant):
   assert templates.PromptBuilder(char_tok, old).fap(ex["prompt"], resp, fb).truncated
 
 
-def test_nothing_is_cut_on_real_steps_with_the_tiny_budget(tmp_path):
+def test_nothing_is_cut_on_real_steps_with_the_tiny_budget(tmp_path, small, one_device_mesh):
   """A random model's FAPs (garbage answers: the longest feedback there is) on
   the tiny task and budget: fap/truncated_frac is 0 on every step; the same
   steps with the old 64-token budget do cut (so the metric can see it)."""
@@ -329,7 +326,7 @@ def test_nothing_is_cut_on_real_steps_with_the_tiny_budget(tmp_path):
     if not budget:
       assert c.templates.max_prompt_tokens == d.templates.max_prompt_tokens
     wd = tmp_path / f"b{budget}"
-    tr = RLTrainer(c, str(wd), mesh=one_device_mesh())
+    tr = RLTrainer(c, str(wd), mesh=one_device_mesh)
     tr.train()
     tr.close()
     rows = metrics_lib.read_jsonl(os.path.join(wd, "metrics.jsonl"))
@@ -339,32 +336,33 @@ def test_nothing_is_cut_on_real_steps_with_the_tiny_budget(tmp_path):
     assert (max(fracs) > 0) if cut else (fracs == [0.0, 0.0]), fracs
 
 
-def test_too_small_budget_warns_or_raises(tmp_path, caplog, char_tok):
+def test_too_small_budget_warns_or_raises(tmp_path, caplog, char_tok, small, one_device_mesh):
   c = load("configs/fbos.py:tiny")
   c.templates.max_prompt_tokens = 100
-  need = env_lib.longest_fap_tokens(c, char_tok)["fap"]
+  parts = C.build_parts(c)
+  need = fap_budget.longest_fap_tokens(c, parts, char_tok)["fap"]
   with caplog.at_level(logging.WARNING):
-    env_lib.check_fap_budget(c, char_tok)
+    fap_budget.check_fap_budget(c, parts, char_tok)
   text = caplog.text
   assert "templates.max_prompt_tokens=100" in text and f"{need} tokens" in text, text
   c.templates.truncation = "error"
   with pytest.raises(ValueError, match=rf"templates.max_prompt_tokens=100 .*{need} tokens"):
-    env_lib.check_fap_budget(c, char_tok)
+    fap_budget.check_fap_budget(c, parts, char_tok)
   # the budget that holds it: silent
   caplog.clear()
   c.templates.max_prompt_tokens = need
   with caplog.at_level(logging.WARNING):
-    env_lib.check_fap_budget(c, char_tok)
+    fap_budget.check_fap_budget(c, parts, char_tok)
   assert "max_prompt_tokens" not in caplog.text
   # trainer init runs the check (the rollout context): error before any step
   s = small("configs/fbos.py:tiny", **{"templates.max_prompt_tokens": 100,
                                        "templates.truncation": "error"})
   s.data = load("configs/fbos.py:tiny").data
   with pytest.raises(ValueError, match="templates.max_prompt_tokens=100"):
-    RLTrainer(s, str(tmp_path), mesh=one_device_mesh())
+    RLTrainer(s, str(tmp_path), mesh=one_device_mesh)
   # a task without a known feedback bound is not checked
-  s.data.verifier = "test_fbos_evidence:parity_reward"
-  assert env_lib.check_fap_budget(s, char_tok) is None
+  s.data.verifier = PARITY
+  assert fap_budget.check_fap_budget(s, C.build_parts(s), char_tok) is None
 
 
 def test_compact_sort_feedback_names_the_same_errors():

@@ -7,49 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from test_configs import load
-
+import configs
 from fbos_jax import metrics as metrics_lib
+from fbos_jax.rl import update as update_lib
 from fbos_jax.rl.trainer import RLTrainer
-
-
-def small(spec, **over):
-  """A tiny config shrunk further so a step takes seconds on 2 cores."""
-  c = load(spec)
-  c.rl.prompts_per_step = 4
-  c.rl.group_size = 4 if not c.rl.gfpo_k and not c.rl.gfpo_adaptive else 6
-  if c.rl.gfpo_k:
-    c.rl.gfpo_k = 3
-  c.rl.round2_size = 4
-  c.rl.epa_max_per_prompt = 4
-  c.sampling.max_new_tokens = 6
-  c.train.steps = 2
-  c.train.eval_every = 0
-  c.train.eval_prompts = 8
-  c.train.checkpoint_every = 2
-  c.train.warm_start = ""
-  c.train.progress = False
-  c.model.num_layers = 1
-  c.model.hidden_size = 64
-  c.model.intermediate_size = 128
-  c.model.num_heads = 2
-  c.model.num_kv_heads = 1
-  # 1-2 digit sums: answers fit the 6 new tokens above and feedback names digits
-  # (the tiny default task, sorting 4-10 digits, runs in test_default_task_runs)
-  c.data.task = "arithmetic"
-  c.data.difficulty, c.data.max_difficulty = 1, 2
-  for k, v in over.items():
-    obj = c
-    *path, last = k.split(".")
-    for p in path:
-      obj = obj[p]
-    obj[last] = v
-  return c
-
-
-def one_device_mesh():
-  from fbos_jax import sharding as sh
-  return sh.make_mesh({"data": 1}, devices=jax.devices()[:1])
 
 
 SPECS = ["configs/grpo.py:tiny", "configs/grpo.py:tiny,drgrpo", "configs/gfpo.py:tiny",
@@ -58,9 +19,9 @@ SPECS = ["configs/grpo.py:tiny", "configs/grpo.py:tiny,drgrpo", "configs/gfpo.py
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_every_config_runs_two_steps(spec, tmp_path):
+def test_every_config_runs_two_steps(spec, tmp_path, small, one_device_mesh):
   c = small(spec)
-  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh)
   state, hist = tr.train()
   tr.close()
   assert int(state.step) == 2
@@ -74,14 +35,14 @@ def test_every_config_runs_two_steps(spec, tmp_path):
   assert tr.ckpt.latest_step() == 2
 
 
-def test_default_task_runs(tmp_path):
+def test_default_task_runs(tmp_path, small, one_device_mesh):
   """Two FBOS steps on the tiny variant's own task and answer budget, with a
   held-out eval of distinct problems reported per difficulty."""
   c = small("configs/fbos.py:tiny", **{"train.eval_every": 2, "train.eval_prompts": 16})
-  d = load("configs/fbos.py:tiny")
+  d = configs.load("configs/fbos.py:tiny")
   c.data, c.sampling.max_new_tokens = d.data, d.sampling.max_new_tokens
-  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
-  evals = tr.env.eval_examples()
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh)
+  evals = tr.eval_examples
   assert len({ex["prompt"] for ex in evals}) == len(evals) == 16
   assert all(ex["task"] == d.data.task for ex in evals)
   state, hist = tr.train()
@@ -91,9 +52,9 @@ def test_default_task_runs(tmp_path):
   assert levels == {f"eval/accuracy_d{ex['difficulty']}" for ex in evals}
 
 
-def test_decoupled_and_staleness_run(tmp_path):
+def test_decoupled_and_staleness_run(tmp_path, small, one_device_mesh):
   c = small("configs/grpo.py:tiny,decoupled", **{"rl.staleness": 1})
-  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh)
   state, _ = tr.train()
   tr.close()
   assert int(state.step) == 2
@@ -103,19 +64,19 @@ def _params_np(state):
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state.params))]
 
 
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(tmp_path, small, one_device_mesh):
   spec = "configs/fbos.py:tiny"
   a = tmp_path / "straight"
-  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(a), mesh=one_device_mesh())
+  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(a), mesh=one_device_mesh)
   s_straight, _ = tr.train()
   tr.close()
 
   b = tmp_path / "resumed"
-  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(b), mesh=one_device_mesh())
+  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(b), mesh=one_device_mesh)
   state = tr.init_state()
   state, _ = tr.train(state, steps=2)
   tr.close()
-  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(b), mesh=one_device_mesh())  # a fresh process would do this
+  tr = RLTrainer(small(spec, **{"train.steps": 4}), str(b), mesh=one_device_mesh)  # a fresh process would do this
   s_resumed, _ = tr.train()
   tr.close()
   for x, y in zip(_params_np(s_straight), _params_np(s_resumed)):
@@ -126,37 +87,31 @@ def test_resume_is_exact(tmp_path):
   assert [drop(r) for r in ra] == [drop(r) for r in rb]
 
 
-def test_update_compiles_once(tmp_path):
+def test_update_compiles_once(tmp_path, small, one_device_mesh):
   """Step 2 must reuse step 1's update program: the update's output state has the
   same shardings as the state it was given (out_shardings), so nothing recompiles."""
   c = small("configs/grpo.py:tiny", **{"train.steps": 3, "train.checkpoint_every": 0})
-  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh)
   state = tr.init_state()
   shardings = jax.tree.map(lambda a: a.sharding, state)
   state, _ = tr.train(state)
   tr.close()
   assert int(state.step) == 3
-  assert tr.update_fn()._cache_size() == 1
+  assert update_lib.compiled_update(tr.parts, tr.mesh, tr.rules)._cache_size() == 1
   assert jax.tree.map(lambda a: a.sharding, state) == shardings
 
 
-def length_reward(example, response):
-  """A verifier with a spread of rewards for an untrained model (so groups have
-  non-zero advantages and the params move), a pure function of the response."""
-  return (len(response) % 3) / 2.0, f"length {len(response)}"
-
-
-def _resume_matches_straight(tmp_path, spec, **over):
+def _resume_matches_straight(tmp_path, small, mesh, spec, **over):
   """4 steps straight vs 2 steps + a fresh trainer resuming for 2 more: identical
   params, GFPO history and stale-params history, and identical metrics."""
-  over = {"train.steps": 4, "data.verifier": "test_trainer:length_reward", **over}
-  tr = RLTrainer(small(spec, **over), str(tmp_path / "straight"), mesh=one_device_mesh())
+  over = {"train.steps": 4, "data.verifier": "fbos_jax.testing.small:length_reward", **over}
+  tr = RLTrainer(small(spec, **over), str(tmp_path / "straight"), mesh=mesh)
   s_straight, _ = tr.train()
   tr.close()
-  tr = RLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh())
+  tr = RLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=mesh)
   tr.train(tr.init_state(), steps=2)
   tr.close()
-  tr = RLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh())
+  tr = RLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=mesh)
   s_resumed, _ = tr.train()
   tr.close()
   assert int(s_resumed.step) == int(s_straight.step) == 4
@@ -170,9 +125,9 @@ def _resume_matches_straight(tmp_path, spec, **over):
   return s_straight
 
 
-def test_resume_is_exact_with_stale_rollouts(tmp_path):
+def test_resume_is_exact_with_stale_rollouts(tmp_path, small, one_device_mesh):
   """rl.staleness > 0: the params that sampled each step are part of the state."""
-  s = _resume_matches_straight(tmp_path, "configs/grpo.py:tiny,decoupled",
+  s = _resume_matches_straight(tmp_path, small, one_device_mesh, "configs/grpo.py:tiny,decoupled",
                                **{"rl.staleness": 2})
   assert len(s.param_history) == 2
   # the params moved, and the history holds older params, not the current ones
@@ -180,7 +135,8 @@ def test_resume_is_exact_with_stale_rollouts(tmp_path):
              zip(jax.tree.leaves(s.param_history[-1]), jax.tree.leaves(s.params)))
 
 
-def test_resume_is_exact_with_adaptive_gfpo(tmp_path):
+def test_resume_is_exact_with_adaptive_gfpo(tmp_path, small, one_device_mesh):
   """GFPO's adaptive difficulty history is part of the state."""
-  s = _resume_matches_straight(tmp_path, "configs/gfpo.py:tiny,adaptive")
+  s = _resume_matches_straight(tmp_path, small, one_device_mesh,
+                               "configs/gfpo.py:tiny,adaptive")
   assert int(s.gfpo.count) == 4 * 4  # 4 steps x 4 prompts pushed into the history

@@ -9,85 +9,30 @@ import pytest
 
 from fbos_jax.model import qwen
 from fbos_jax.rl import assemble
+from fbos_jax.testing import toy
 from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import config as C
 from fbos_jax.rl import objectives as O
 from fbos_jax.rl import update as U
 from fbos_jax.rl.state import TrainState
 
-CFG = qwen.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=8)
-P_LEN, R_LEN = 5, 6
-
-
-def _params(seed=0):
-  return qwen.init_params(CFG, jax.random.key(seed))
-
-
-def _batch(n, seed, *, adv=None, offpolicy=None, old_logp=None):
-  rng = np.random.default_rng(seed)
-  prompts = [list(rng.integers(3, 40, size=rng.integers(2, P_LEN + 1))) for _ in range(n)]
-  rt = rng.integers(3, 40, size=(n, R_LEN)).astype(np.int32)
-  lens = rng.integers(1, R_LEN + 1, size=n)
-  rm = (np.arange(R_LEN)[None] < lens[:, None]).astype(np.int32)
-  adv = rng.normal(size=n).astype(np.float32) if adv is None else adv
-  old = (rng.normal(size=(n, R_LEN)) * 0.1 - 2.0).astype(np.float32) if old_logp is None else old_logp
-  off = np.zeros(n, bool) if offpolicy is None else offpolicy
-  return batch_lib.make_policy_batch(prompts, rt, rm, adv, old, off, prompt_len=P_LEN, num_rows=n)
-
-
-def _empty(rows):
-  """A batch whose rows are all padding (fully masked): its term is exactly 0."""
-  z = np.zeros((0, R_LEN), np.int32)
-  return batch_lib.make_policy_batch([], z, z, np.zeros(0, np.float32), z.astype(np.float32),
-                                     np.zeros(0, bool), prompt_len=P_LEN, num_rows=rows)
-
-
-def _ucfg(w=(1.0, 1.0), lc=C.LossConfig(), **kw):
-  return C.UpdateConfig(terms=(C.Term("epa", "policy_gradient", w[0]),
-                               C.Term("ecc", "policy_gradient", w[1])), loss=lc, **kw)
-
-
-def _step(opt, w=(1.0, 1.0), lc=C.LossConfig(), **kw):
-  """The jitted update with an EPA and an ECC term: (state, epa, ecc) -> (state, metrics)."""
-  fn = jax.jit(U.make_update_fn(CFG, opt, _ucfg(w, lc, **kw)))
-  return lambda state, epa, ecc: fn(state, {"epa": epa, "ecc": ecc})
-
-
-def _opt(lr=1e-2):
-  return optax.adamw(lr, weight_decay=0.0)
-
-
-def _state(params, opt):
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params),
-                    rng=jax.random.key_data(jax.random.key(0)),
-                    nonfinite_steps=jnp.zeros((), jnp.int32))
-
-
-def _grads(params, epa, ecc, w, lc=C.LossConfig()):
-  ucfg = _ucfg((1.0, 1.0), lc)
-
-  @jax.jit
-  def g(params, epa, ecc, w):
-    batches = {"epa": epa, "ecc": ecc}
-    denoms = {k: O.denominators(b, lc) for k, b in batches.items()}
-    return jax.grad(lambda p: O.objective(p, CFG, batches, ucfg, w, denoms)[0])(params)
-  return g(params, epa, ecc, jnp.asarray(w))
+CFG, P_LEN, R_LEN = toy.CFG, toy.P_LEN, toy.R_LEN
+_params, _batch, _empty, _state = toy.params, toy.batch, toy.empty, toy.state
+_step, _grads = toy.step, toy.grads
 
 
 def test_all_equal_rewards_give_zero_update():
   rewards = np.ones((2, 4), np.float32)
   adv = assemble.advantages(rewards, np.ones_like(rewards, bool), "grpo", 1e-6).reshape(-1)
   assert np.all(adv == 0)
-  opt = _opt()
   params = _params()
-  step = _step(opt)
+  step = _step()
   epa = _batch(8, 1, adv=adv)
   ecc = _batch(4, 2, adv=np.zeros(4, np.float32))
-  new, m = step(_state(params, opt), epa, ecc)
+  new, m = step(_state(params), epa, ecc)
   for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert float(m["grad_norm"]) == 0.0
+  assert float(m.grad_norm) == 0.0
 
 
 def test_w_ecc_zero_gives_ecc_batch_no_gradient():
@@ -108,9 +53,9 @@ def test_offpolicy_gradient_has_f_u_form(denominator):
   params = _params()
   lam = 0.1
   lc = C.LossConfig(offpolicy_lambda=lam, offpolicy_ratio_denominator=denominator)
-  epa = _batch(3, 7, adv=np.asarray([1.5, -0.7, 0.4], np.float32),
-               offpolicy=np.asarray([True, True, True]))
-  ecc = _empty(2)
+  epa = _batch(6, 7, adv=np.asarray([1.5, -0.7, 0.4, 0.9, -1.2, 0.3], np.float32),
+               offpolicy=np.ones(6, bool))
+  ecc = _batch(4, 8)  # weight 0: no gradient (test_w_ecc_zero_gives_ecc_batch_no_gradient)
   g = _grads(params, epa, ecc, [1.0, 0.0], lc)
 
   def logp_fn(p):
@@ -147,9 +92,10 @@ def test_grpo_step_matches_from_scratch_reference():
                               advantages=jnp.asarray(adv), old_logp=jnp.asarray(old_logp),
                               is_offpolicy=b0.is_offpolicy)
   ecc = _empty(2)
-  opt = optax.sgd(1.0)  # plain SGD: Adam's g/|g| would amplify float noise in tiny grads
-  step = _step(opt, lc=C.LossConfig(eps_low=0.2, eps_high=0.28))
-  new, _ = step(_state(params, opt), epa, ecc)
+  sgd = ("sgd", 1.0)  # plain SGD: Adam's g/|g| would amplify float noise in tiny grads
+  opt = toy.optimizer(*sgd)
+  step = _step(sgd, lc=C.LossConfig(eps_low=0.2, eps_high=0.28))
+  new, _ = step(_state(params, sgd), epa, ecc)
 
   # ---- from scratch
   r = rewards.astype(np.float64)
@@ -179,25 +125,23 @@ def test_grpo_step_matches_from_scratch_reference():
 def test_micro_batch_accumulation_is_exact(agg):
   params = _params()
   epa, ecc = _batch(8, 21), _batch(4, 22)
-  opt = _opt()
   outs = []
   for m in (1, 4):
-    step = _step(opt, (1.0, 0.5), C.LossConfig(loss_agg=agg), micro_batches=m)
-    new, met = step(_state(params, opt), epa, ecc)
+    step = _step(w=(1.0, 0.5), lc=C.LossConfig(loss_agg=agg), micro_batches=m)
+    new, met = step(_state(params), epa, ecc)
     outs.append((new, met))
   for new, met in outs[1:]:
-    np.testing.assert_allclose(met["loss"], outs[0][1]["loss"], rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(met["grad_norm"], outs[0][1]["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(met.loss, outs[0][1].loss, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(met.grad_norm, outs[0][1].grad_norm, rtol=1e-5)
 
 
 def test_nonfinite_step_is_skipped():
   params = _params()
-  epa = _batch(4, 31, adv=np.asarray([np.nan, 1, 1, 1], np.float32))
-  ecc = _empty(2)
-  opt = _opt()
-  step = _step(opt, skip_nonfinite=True)
-  new, m = step(_state(params, opt), epa, ecc)
-  assert float(m["finite"]) == 0.0
+  epa = _batch(8, 31, adv=np.asarray([np.nan, 1, 1, 1, 1, 1, 1, 1], np.float32))
+  ecc = _batch(4, 32)
+  step = _step(skip_nonfinite=True)
+  new, m = step(_state(params), epa, ecc)
+  assert float(m.finite) == 0.0
   # a skipped step is still a loop step (issue 14): counted, params untouched
   assert int(new.step) == 1 and int(new.nonfinite_steps) == 1
   for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(params)):

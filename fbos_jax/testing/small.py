@@ -48,3 +48,20 @@ def one_device_mesh():
   """A mesh over the first device only (the default axes, all of size 1)."""
   from fbos_jax import sharding as sh
   return sh.make_mesh({"data": 1}, devices=jax.devices()[:1])
+
+
+def length_reward(example, response):
+  """A verifier with a spread of rewards for an untrained model (so groups have
+  non-zero advantages and the params move), a pure function of the response:
+  ``--config.data.verifier=fbos_jax.testing.small:length_reward``."""
+  del example
+  return (len(response) % 3) / 2.0, f"length {len(response)}"
+
+
+def parity_reward(example, response):
+  """A verifier a random model passes about half the time (even-length answers),
+  so round 2 has correct rows for EPA to pull back:
+  ``--config.data.verifier=fbos_jax.testing.small:parity_reward``."""
+  del example
+  ok = len(response) % 2 == 0
+  return float(ok), "correct" if ok else f"the answer has odd length {len(response)}"
