@@ -235,3 +235,21 @@ def plot_metrics(rows: list[dict], out_png: str, keys: Iterable[str] = DEFAULT_P
   fig.savefig(out_png, dpi=90)
   plt.close(fig)
   return out_png
+
+
+SUMMARY_KEYS = ("reward/round1", "reward/round2", "feedback/fix_rate", "epa/injected", "loss/epa",
+                "loss/ecc", "policy/entropy", "policy/grad_norm", "eval/accuracy", "time/step_s")
+
+
+def summary_line(m: dict) -> str:
+  """The log line of a step: a few headline metrics as ``name=value``."""
+  return " ".join(f"{k.split('/')[-1]}={m[k]:.4g}" for k in SUMMARY_KEYS if k in m
+                  and isinstance(m[k], (int, float)))
+
+
+def progress(it, enabled: bool, desc: str):
+  """``it`` with a tqdm progress bar when ``enabled`` (process 0 of a run)."""
+  if not enabled:
+    return it
+  from tqdm.auto import tqdm
+  return tqdm(it, desc=desc, dynamic_ncols=True)

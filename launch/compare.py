@@ -151,7 +151,7 @@ def run_one(label, arm: Arm, seed, sft_params, budget, max_steps, eval_every, wo
   from fbos_jax.rl.trainer import RLTrainer
   c = shared_setup(load_config(arm.config, arm_config_arg(arm, variant)), quick)
   c.seed = seed
-  c.data.shuffle_seed = 0  # + seed inside the trainer: same order for every algo at a seed
+  c.data.shuffle_seed = 0  # the seed's data stream (trainer.data_seed): same order for every algo
   wd = os.path.join(workdir, "runs", f"{label}_s{seed}")
   tr = RLTrainer(c, wd, init_params=sft_params)
   state = tr.init_state()

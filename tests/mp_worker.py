@@ -58,9 +58,6 @@ if __name__ == "__main__":  # a worker process (the tests also import numpy_para
   for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
                ("TOKENIZERS_PARALLELISM", "false")):
     os.environ.setdefault(k, v)
-  for p in (_HERE, _ROOT, os.path.join(_ROOT, "kernels")):
-    if p not in sys.path:
-      sys.path.insert(0, p)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -77,8 +74,8 @@ SPEC = "configs/fbos.py:tiny"
 
 
 def config(steps: int, mesh: dict):
-  from test_trainer import small  # the shrinking every trainer test uses
-  c = small(SPEC, **{"train.steps": steps, "train.checkpoint_every": 2, "train.eval_every": 0,
+  from fbos_jax.testing.small import small_config  # the shrinking every trainer test uses
+  c = small_config(SPEC, **{"train.steps": steps, "train.checkpoint_every": 2, "train.eval_every": 0,
                      "train.progress": False})
   for k, v in mesh.items():
     c.mesh[k] = v
@@ -113,22 +110,22 @@ class CountingVerifier:
     return self.inner(example, response)
 
 
-def counting_env(env, its):
-  """Score ``env``'s rollouts with the counting text-hash verifier, feeding it
+def counting_trainer(tr, its):
+  """Score ``tr``'s rollouts with the counting text-hash verifier, feeding it
   ``its`` (a list of (host, iterator)) through :class:`Tagged`. Returns the
   verifier and, per step, the example ids of each verify batch (round 1, then
   round 2 if this process sampled one)."""
   counter = CountingVerifier(text_hash_verifier)
-  env.pool.verifier = counter
+  tr.ctx.pool.verifier = counter
   steps = []
-  env.train_iter = Tagged(its, on_next=lambda: steps.append([]))
-  inner_verify = env.verify
+  tr.train_iter = Tagged(its, on_next=lambda: steps.append([]))
+  inner_verify = tr.ctx.verify
 
   def verify(examples, texts):
     steps[-1].append([str(ex.get("id", "")) for ex in examples])
     return inner_verify(examples, texts)
 
-  env.verify = verify
+  tr.ctx.verify = verify
   return counter, steps
 
 
@@ -215,7 +212,7 @@ def run_train():
   c = config(ARGS.steps, EQUIV_MESH)
   mesh = sh.make_mesh(c.mesh)
   tr = RLTrainer(c, ARGS.workdir, mesh=mesh, init_params=numpy_params(c))
-  counter, batches = counting_env(tr.env, [(jax.process_index(), tr.env.train_iter)])
+  counter, batches = counting_trainer(tr, [(jax.process_index(), tr.train_iter)])
   state, hist = tr.train(canonical_state(tr))
   tr.close()
   params = params_to_host(state)
@@ -223,7 +220,7 @@ def run_train():
          "devices": jax.device_count(), "local_devices": jax.local_device_count(),
          "history": clean(hist), "step": int(state.step),
          "verifier_calls": counter.calls, "verify_batches": batches,
-         "pool_calls": int(tr.env.pool.totals["calls"]),
+         "pool_calls": int(tr.ctx.pool.totals["calls"]),
          "latest_checkpoint": tr.ckpt.latest_step()},
         params if jax.process_index() == 0 else None)
 
@@ -231,19 +228,17 @@ def run_train():
 def run_reference():
   from fbos_jax import data as data_lib
   from fbos_jax import sharding as sh
-  from fbos_jax.rl.env import Environment
+  from fbos_jax.rl import trainer as trainer_lib
   from fbos_jax.rl.trainer import RLTrainer
   c = config(ARGS.steps, EQUIV_MESH)
   c.train.checkpoint_every = 0
-  env = Environment.from_config(c, ARGS.workdir)
+  tr = RLTrainer(c, ARGS.workdir, mesh=sh.make_mesh(c.mesh), init_params=numpy_params(c))
   its = [data_lib.make_prompt_iterator(c.data, batch_size=c.rl.prompts_per_step // 2,
                                        process_index=i, process_count=2,
-                                       seed=c.data.shuffle_seed + c.seed, tokenizer=env.tokenizer)
+                                       seed=trainer_lib.data_seed(c),
+                                       tokenizer=tr.ctx.tokenizer)
          for i in range(2)]
-
-  tr = RLTrainer(c, ARGS.workdir, env=env, mesh=sh.make_mesh(c.mesh),
-                 init_params=numpy_params(c))
-  counter, batches = counting_env(env, list(enumerate(its)))  # host 0's rows, then host 1's
+  counter, batches = counting_trainer(tr, list(enumerate(its)))  # host 0's rows, then host 1's
   state, hist = tr.train(canonical_state(tr))
   tr.close()
   write({"history": clean(hist), "step": int(state.step), "verifier_calls": counter.calls,

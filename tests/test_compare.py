@@ -52,7 +52,6 @@ def _compare_module():
   if "compare_mod" in sys.modules:
     return sys.modules["compare_mod"]
   import importlib.util
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
   spec = importlib.util.spec_from_file_location("compare_mod",
                                                 os.path.join(ROOT, "launch", "compare.py"))
   cmp = importlib.util.module_from_spec(spec)

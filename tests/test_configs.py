@@ -4,25 +4,17 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from ml_collections import config_flags  # noqa: F401  (the loader launch/train.py uses)
 
+import configs
+from configs import load
 from fbos_jax.plan import HBM_BYTES, memory_plan
 from fbos_jax.rl.config import validate as validate_rl_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_8B_PARAMS = 8_190_735_360
-
-
-def load(spec):
-  """configs/NAME.py:ARG -> ConfigDict (as absl's config_flags would)."""
-  path, _, arg = spec.partition(":")
-  import importlib.util
-  mod_spec = importlib.util.spec_from_file_location("cfg_" + os.path.basename(path)[:-3],
-                                                    os.path.join(ROOT, path))
-  mod = importlib.util.module_from_spec(mod_spec)
-  mod_spec.loader.exec_module(mod)
-  return mod.get_config(arg) if arg else mod.get_config()
 
 
 ALL_TINY = ["configs/grpo.py:tiny", "configs/grpo.py:tiny,drgrpo", "configs/gfpo.py:tiny",
@@ -111,9 +103,57 @@ def test_cli_override_reaches_config():
   assert "tensor=2" in out.stdout
 
 
-def test_config_sharding_rules_match_the_library_default():
-  """configs/base.py spells the rules out as data (no library import); the
-  library's default (for callers without a config) must say the same."""
-  from configs import base
+def test_config_sharding_rules_are_the_library_default():
+  """The rules have one home (fbos_jax/sharding.py); a config starts from them."""
   from fbos_jax import sharding as sh
-  assert sh.rules_dict(base.SHARDING_RULES) == sh.rules_dict(sh.DEFAULT_RULES)
+  assert sh.rules_dict(load("configs/fbos.py:tiny").mesh.rules) == sh.rules_dict(sh.DEFAULT_RULES)
+
+
+def test_the_batch_axes_come_from_the_rules():
+  """mesh.rules' "batch" entry decides where the rows go: the batch spec, the
+  shard count and the process-local placement all follow it."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from fbos_jax import sharding as sh
+  c = load("configs/fbos.py:tiny")
+  c.mesh.data, c.mesh.fsdp = 4, 2
+  mesh = sh.make_mesh(c.mesh)
+  rules = sh.rules_dict(c.mesh.rules)
+  assert sh.batch_spec(2, rules=rules) == P(("dcn", "data", "fsdp"), None)
+  assert sh.batch_shard_count(mesh, rules) == 8
+  moved = dict(rules, batch=("data",))
+  assert sh.batch_spec(2, rules=moved) == P(("data",), None)
+  assert sh.batch_shard_count(mesh, moved) == 4
+  x = sh.put_process_local(np.zeros((8, 3), np.float32), mesh, moved)
+  assert x.sharding.spec == P(("data",), None)
+  assert len({str(s.index) for s in x.addressable_shards}) == 4  # fsdp replicates, data splits
+
+
+def test_one_loader_and_one_setter():
+  """configs.load (tests, compare.py) gives what absl's --config gives, and
+  set_field parses text as --config.a.b=v does, naming a field that does not exist."""
+  c = configs.load("configs/fbos.py:tiny", {"rl.group_size": "16", "sampling.top_p": "0.9",
+                                            "train.progress": "false",
+                                            "sampling.prompt_buckets": "(16, 64)"})
+  assert (c.rl.group_size, c.sampling.top_p, c.train.progress) == (16, 0.9, False)
+  assert c.sampling.prompt_buckets == (16, 64)
+  assert configs.load("fbos:tiny").to_dict() == load("configs/fbos.py:tiny").to_dict()
+  with pytest.raises(KeyError, match="rl.no_such_field"):
+    configs.set_field(c, "rl.no_such_field", 1)
+  with pytest.raises(ValueError, match="rl.group_size='many'"):
+    configs.set_field(c, "rl.group_size", "many")
+  with pytest.raises(ValueError, match="unknown config file"):
+    configs.load("configs/nope.py:tiny")
+
+
+@pytest.mark.parametrize("variant", ["tiny", "tiny_hard"])
+def test_equal_rollout_variants_sample_the_same_rollouts_per_step(variant):
+  """On the comparison variants every algorithm samples the same rollouts per
+  step (GFPO's group of 16 at half the prompts; FBOS and GOLF's two rounds at
+  half the prompts). GFPO used to halve only on tiny: 256 against 128 on tiny_hard."""
+  def rollouts(name):
+    c = load(f"configs/{name}.py:{variant}")
+    per_prompt = c.rl.group_size + (c.rl.round2_size if c.rl.round2 else 0)
+    return c.rl.prompts_per_step * per_prompt
+  counts = {name: rollouts(name) for name in ("grpo", "gfpo", "golf", "fbos")}
+  assert len(set(counts.values())) == 1, counts

@@ -37,7 +37,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "mp_worker.py")
-GLOBAL_PROMPTS, GROUP = 4, 4  # tests/test_trainer.py:small
+GLOBAL_PROMPTS, GROUP = 4, 4  # fbos_jax/testing/small.py:small_config
 # the same per-step metrics in both runs (counts are summed over hosts)
 COMPARED = ("loss/epa", "loss/ecc", "policy/loss", "policy/grad_norm", "policy/entropy",
             "policy/epa_entropy", "policy/ecc_entropy", "policy/clipfrac", "policy/kl",
@@ -221,14 +221,14 @@ def test_two_process_checkpoint_restores_on_another_mesh(runs):
 
 def test_checkpoint_of_another_model_config_is_rejected(runs, tmp_path):
   from mp_worker import numpy_params
-  from test_trainer import small
 
   from fbos_jax import checkpoint as ckpt_lib
   from fbos_jax import sharding as sh
   from fbos_jax.rl.trainer import RLTrainer
   work = tmp_path / "other_model"
   shutil.copytree(runs["dir"] / "mp", work)
-  c = small("configs/fbos.py:tiny", **{"model.num_layers": 2})
+  from fbos_jax.testing.small import small_config
+  c = small_config("configs/fbos.py:tiny", **{"model.num_layers": 2})
   tr = RLTrainer(c, str(work), mesh=sh.make_mesh({"data": 1}, devices=jax.devices()[:1]),
                  init_params=numpy_params(c))
   try:
@@ -270,11 +270,10 @@ def test_sampler_draws_are_keyed_by_global_sample():
   prompt i draws from fold_in(key_t, i*n + j), whatever the batch layout. The
   second host's call (its prompts, their global indices, other padding) gives
   the same rows as one call over all prompts; chunking changes nothing either."""
-  from test_trainer import small
-
   from fbos_jax import buckets, sampling
   from fbos_jax.model import qwen
-  cfg = qwen.ModelConfig.from_dict(small("configs/fbos.py:tiny").model)
+  from fbos_jax.testing.small import small_config
+  cfg = qwen.ModelConfig.from_dict(small_config("configs/fbos.py:tiny").model)
   params = qwen.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, cfg.vocab_size, size=k) for k in (5, 3, 7, 4, 6)]

@@ -14,8 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_configs import load
-
+from configs import load
 from fbos_jax import metrics as metrics_lib
 from fbos_jax.testing import qwen_fixture
 
@@ -45,18 +44,20 @@ def smoke_config():
 def test_fap_of_a_failed_math_answer(checkpoint_dir, tmp_path):
   """The FAP of a wrong answer holds the verifier's feedback, not the gold answer
   (unless data.feedback_reveals_answer), and fits the FAP bucket, in real tokens."""
-  from fbos_jax.rl.env import Environment
-  from fbos_jax.rl.run import with_checkpoint_model
+  from fbos_jax import data
+  from fbos_jax.rl.config import with_checkpoint_model
+  from fbos_jax.rl.context import RolloutContext
   for reveal in (False, True):
     c = with_checkpoint_model(smoke_config(), checkpoint_dir)
     c.data.feedback_reveals_answer = reveal
-    env = Environment.from_config(c, str(tmp_path))
-    ex = next(e for e in env.eval_examples() if e["answer"] not in e["prompt"])
+    env = RolloutContext.build(c, str(tmp_path))
+    ex = next(e for e in data.held_out_examples(c.data, c.train.eval_prompts)
+              if e["answer"] not in e["prompt"])
     wrong = str(int(ex["answer"]) + 7)
     response = f"So the total is {wrong}. The answer is $\\boxed{{{wrong}}}$."
     rewards, feedback, errors, _ = env.verify([ex], [response])
     assert rewards[0] < 1 and not errors[0] and feedback[0]
-    ids = env.fap_ids(ex, response, feedback[0])
+    ids = env.prompts.fap(ex["prompt"], response, feedback[0]).token_ids
     text = env.tokenizer.decode(ids)
     assert feedback[0] in text and ex["prompt"] in text and response in text
     assert "<|im_start|>user" in text  # the checkpoint's chat template

@@ -12,49 +12,19 @@ import jax
 import numpy as np
 import pytest
 
-from test_configs import load
-from test_trainer import one_device_mesh, small
-
+from configs import load
 from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import metrics as metrics_lib
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import sft
 from fbos_jax.rl.trainer import RLTrainer
+from fbos_jax.testing.small import one_device_mesh, small_config as small
 from fbos_jax.verifiers.base import Verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# ---------------------------------------------------------------- verifiers used by the probes
-
-
-def raising_verifier(example, response):
-  raise RuntimeError("boom")
-
-
-def hanging_verifier(example, response):
-  time.sleep(60)
-  return 1.0, "correct"
-
-
-def nan_verifier(example, response):
-  return float("nan"), "?"
-
-
-def _flaky_factory():
-  """Every third call raises; the rest are the procedural verifier."""
-  from fbos_jax.verifiers.procedural import ProceduralVerifier
-  inner, calls = ProceduralVerifier(), [0]
-
-  def verify(example, response):
-    calls[0] += 1
-    if calls[0] % 3 == 0:
-      raise RuntimeError("flaky")
-    return inner(example, response)
-  return verify
-
-
-flaky_verifier = _flaky_factory()
+VERIFIERS = "fbos_jax.testing.verifiers"
 
 
 # ---------------------------------------------------------------- item 4: SFT verifies in the pool
@@ -66,25 +36,26 @@ def test_sft_demonstrations_go_through_the_pool(name, tmp_path):
   start: every check is an error verdict of the pool, and no unverified
   demonstration is trained on."""
   c = small("configs/fbos.py:tiny", **{"verifier.timeout_s": 0.5, "sft.batch_size": 8})
-  c.data.verifier = f"test_reliability_loop:{name}"
+  c.data.verifier = f"{VERIFIERS}:{name}"
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
-  examples = tr.env.next_train_batch()
+  examples = next(tr.train_iter)
   t0 = time.monotonic()
-  (pp, pr), (cp, cr) = sft.demonstration_rows(tr.env, examples, conditional=False,
+  (pp, pr), (cp, cr) = sft.demonstration_rows(tr.ctx, examples, conditional=False,
                                               rng=random.Random(0), num_corrections=2)
   assert time.monotonic() - t0 < 30
   assert pp == [] and cp == []  # nothing verified, nothing kept
   with pytest.raises(ValueError, match="none of the .* demonstrations passed the verifier"):
-    sft.train_sft(c, tr.env, tr.init_state().params, mesh=tr.mesh, steps=1, progress=False)
+    state = tr.init_state()
+    sft.train_sft(c, tr.ctx, state.params, state.rng, steps=1, progress=False)
   tr.close()
 
 
 def test_sft_keeps_demonstrations_whose_check_succeeded(tmp_path):
   c = small("configs/fbos.py:tiny", **{"sft.batch_size": 12})
-  c.data.verifier = "test_reliability_loop:flaky_verifier"
+  c.data.verifier = f"{VERIFIERS}:flaky_verifier"
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
-  examples = tr.env.next_train_batch() + tr.env.next_train_batch() + tr.env.next_train_batch()
-  (pp, pr), _ = sft.demonstration_rows(tr.env, examples, conditional=False,
+  examples = next(tr.train_iter) + next(tr.train_iter) + next(tr.train_iter)
+  (pp, pr), _ = sft.demonstration_rows(tr.ctx, examples, conditional=False,
                                        rng=random.Random(0))
   assert 0 < len(pp) < len(examples)  # the failed checks dropped their demos, the rest stay
   tr.close()
@@ -163,21 +134,13 @@ def test_bad_config_fails_before_the_warm_start(tmp_path):
 # ---------------------------------------------------------------- error verdicts leave the groups
 
 
-def every_other_error(example, response):
-  """A verifier whose every other call fails (an error verdict in the pool)."""
-  from fbos_jax.verifiers.procedural import ProceduralVerifier
-  if len(response) % 2:
-    raise RuntimeError("flaky")
-  return ProceduralVerifier()(example, response)
-
-
 def test_error_verdicts_leave_groups_and_never_become_feedback(tmp_path):
   from fbos_jax.rl import rollout as R
   c = small("configs/fbos.py:tiny")
-  c.data.verifier = "test_reliability_loop:every_other_error"
+  c.data.verifier = f"{VERIFIERS}:every_other_error"
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
   state = tr.init_state()
-  examples = tr.env.next_train_batch()
+  examples = next(tr.train_iter)
   r1 = R.round1(tr.ctx, state.params, examples, jax.random.key(0))
   stats = R.verify(tr.ctx, r1, examples)
   assert r1.is_error.any() and stats["verifier/errors"] == r1.is_error.sum()
@@ -188,11 +151,10 @@ def test_error_verdicts_leave_groups_and_never_become_feedback(tmp_path):
   assert not r1.is_error[np.arange(len(examples))[:, None].repeat(r2.shape[1], 1)[r2.valid],
                          r2.source[r2.valid]].any()
   R.verify(tr.ctx, r2, examples)
-  rows, _, _ = R.epa_rows(tr.ctx, examples, r1, r2, None, np.random.default_rng(0))
+  rows, _ = R.epa_rows(tr.ctx, examples, r1, r2)
   on_policy = int((~rows.offpolicy).sum())
   assert on_policy == int(r1.ok.sum())  # error rows are not in the EPA batch
-  _, m, _ = R.rollout_step(tr.ctx, state.params, examples, jax.random.key(2), step=0,
-                           batch_names=("epa", "ecc"))
+  _, m, _ = R.rollout_step(tr.ctx, state.params, examples, jax.random.key(2))
   assert m["verifier/errors"] == m["verifier/errors_round1"] + m["verifier/errors_round2"] > 0
   tr.close()
 
@@ -224,7 +186,7 @@ def test_over_long_prompt_names_the_record(tmp_path):
   from fbos_jax.rl import rollout as R
   c = small("configs/grpo.py:tiny")
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
-  examples = tr.env.next_train_batch()
+  examples = next(tr.train_iter)
   # longer than the largest prompt bucket (32), within the template budget (656);
   # then longer than the template budget too: each names its own limiting field
   for chars, field in ((200, "sampling.prompt_buckets"), (1000, "templates.max_prompt_tokens")):

@@ -21,6 +21,7 @@ from fbos_jax import data as data_lib
 from fbos_jax import tokenizer as tok_lib
 from fbos_jax.model import hf
 from fbos_jax.rl import config as config_lib
+from fbos_jax.rl import state as state_lib
 from fbos_jax.rl.context import RolloutContext
 from fbos_jax.rl.run import restore_params
 
@@ -72,7 +73,8 @@ def check_greedy(config, workdir: str, out: str, num_prompts: int, *,
   examples = data_lib.held_out_examples(config.data, num_prompts)[:num_prompts]
   prompts = [ctx.prompt_ids(ex) for ex in examples]
   greedy = dataclasses.replace(ctx.parts.sampling.eval, temperature=0.0)
-  ours = ctx.sample(params, prompts, 1, jax.random.key(0), greedy)
+  ours = ctx.sample(params, prompts, 1, state_lib.stream_key(  # greedy: the key is unused
+      state_lib.root_rng(ctx.parts.seed), "eval", 0), greedy)
   model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   flags_ = []
   for i, p in enumerate(prompts):

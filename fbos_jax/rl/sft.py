@@ -198,10 +198,10 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
   it = data_lib.make_prompt_iterator(config.data, batch_size=config.sft.batch_size,
                                      process_index=jax.process_index(),
                                      process_count=jax.process_count(),
-                                     seed=_host_int(jax.random.fold_in(sft_key, 0)))
+                                     seed=state_lib.host_seed(rng, "sft", 0))
   builder = _BatchBuilder(config, ctx, n_corr, rows,
-                          random.Random(_host_int(jax.random.fold_in(sft_key, 1))))
-  sample_key = jax.random.fold_in(sft_key, 2)
+                          random.Random(state_lib.host_seed(rng, "sft", 1)))
+  sample_key = state_lib.stream_key(rng, "sft", 2)
   put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh, ctx.rules), b)
   history = []
   bar = range(steps)
@@ -231,11 +231,6 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
   if prev is not None:
     _record(history, bar, ucfg, *prev)
   return state.params, history
-
-
-def _host_int(key) -> int:
-  """A 31-bit host integer from a PRNG key (seeds for grain and ``random``)."""
-  return int(np.asarray(jax.random.key_data(key)).reshape(-1)[-1]) & 0x7FFFFFFF
 
 
 class _BatchBuilder:

@@ -9,7 +9,8 @@ All randomness of a run comes from ``TrainState.rng`` (seeded from
 ``config.seed``), through named streams (:func:`stream_key`): ``sample``
 (rollout sampling, per step), ``shuffle`` (the update's mini-batch order, per
 step), ``eval`` (held-out pass@k, per step), ``sft`` (the warm start), ``init``
-(random params). Two uses never share a key.
+(random params), ``data`` (the order of the training prompts, with
+``data.shuffle_seed``). Two uses never share a key.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fbos_kernels as K
@@ -27,7 +29,7 @@ from fbos_jax import optim as optim_lib
 from fbos_jax import sharding as sh
 from fbos_jax.model import qwen
 
-STREAMS = ("sample", "shuffle", "eval", "sft", "init")
+STREAMS = ("sample", "shuffle", "eval", "sft", "init", "data")
 
 
 def stream_key(rng, name: str, *indices):
@@ -40,6 +42,12 @@ def stream_key(rng, name: str, *indices):
   for i in indices:
     key = jax.random.fold_in(key, i)
   return key
+
+
+def host_seed(rng, name: str, *indices) -> int:
+  """A 31-bit host integer from stream ``name`` (seeds of grain and ``random``)."""
+  key = stream_key(rng, name, *indices)
+  return int(np.asarray(jax.random.key_data(key)).reshape(-1)[-1]) & 0x7FFFFFFF
 
 
 def root_rng(seed: int):

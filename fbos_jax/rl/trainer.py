@@ -36,6 +36,13 @@ SUM_METRICS = ("tokens/generated", "rollouts/generated", "round2/rollouts", "epa
                "tokens/per_s", "verifier/calls", "verifier/errors", "eval/verifier_errors")
 
 
+def data_seed(config) -> int:
+  """The seed of the training prompts' order: the ``data`` stream of the run's
+  PRNG at ``data.shuffle_seed``."""
+  return state_lib.host_seed(state_lib.root_rng(config.seed), "data",
+                             int(config.data.shuffle_seed))
+
+
 class NonFiniteStepError(FloatingPointError):
   pass
 
@@ -64,7 +71,7 @@ class RLTrainer:
     pi, pc = jax.process_index(), jax.process_count()
     self.train_iter = data_lib.make_prompt_iterator(
         config.data, batch_size=self.parts.rollout.prompts_per_step // pc, process_index=pi,
-        process_count=pc, seed=config.data.shuffle_seed + config.seed,
+        process_count=pc, seed=data_seed(config),
         tokenizer=self.ctx.tokenizer)
     self.eval_examples = data_lib.held_out_examples(
         config.data, config.train.eval_prompts, process_index=pi, process_count=pc)
@@ -187,8 +194,9 @@ class RLTrainer:
       em = initial_eval or self.evaluate(state, eval_examples, k=k, step=0)
       self.metrics.write(0, em)
       history.append(dict(em, step=0))
-      logging.info("step 0 eval: %s", _fmt(em))
-    bar = _progress(range(start, steps), cfg.train.progress, desc=f"{cfg.algo} RL")
+      logging.info("step 0 eval: %s", metrics_lib.summary_line(em))
+    bar = metrics_lib.progress(range(start, steps), cfg.train.progress and jax.process_index() == 0,
+                               desc=f"{cfg.algo} RL")
     last_acc = history[0].get("eval/accuracy", float("nan")) if history else float("nan")
     t_loop = time.perf_counter()
     for step in bar:
@@ -203,7 +211,7 @@ class RLTrainer:
       if hasattr(bar, "set_postfix"):
         bar.set_postfix(r1=f"{m['reward/round1']:.2f}", acc=f"{last_acc:.2f}", refresh=False)
       if s % cfg.train.log_every == 0:
-        logging.info("step %d: %s", s, _fmt(m))
+        logging.info("step %d: %s", s, metrics_lib.summary_line(m))
       if cfg.train.checkpoint_every > 0 and (s % cfg.train.checkpoint_every == 0 or s == steps):
         self.save(state, force=(s == steps),
                   rl_seconds=self.rl_seconds_before + time.perf_counter() - t_loop)
@@ -217,17 +225,3 @@ class RLTrainer:
     self.ckpt.close()
     self.metrics.close()
     self.ctx.close()
-
-
-def _fmt(m: dict) -> str:
-  keys = ("reward/round1", "reward/round2", "feedback/fix_rate", "epa/injected", "loss/epa",
-          "loss/ecc", "policy/entropy", "policy/grad_norm", "eval/accuracy", "time/step_s")
-  return " ".join(f"{k.split('/')[-1]}={m[k]:.4g}" for k in keys if k in m
-                  and isinstance(m[k], (int, float)))
-
-
-def _progress(it, enabled: bool, desc: str):
-  if not enabled or jax.process_index() != 0:
-    return it
-  from tqdm.auto import tqdm
-  return tqdm(it, desc=desc, dynamic_ncols=True)

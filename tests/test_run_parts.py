@@ -1,0 +1,205 @@
+"""The run's parts are built once (issue 21): typed configs, one shape model, PRNG
+streams from the state, params-only restore, shared programs, and the code rules
+that keep it so (no long functions, no ConfigDict reads below rl/config.py)."""
+
+import ast
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import configs
+from fbos_jax import checkpoint as ckpt_lib
+from fbos_jax import sampling
+from fbos_jax.rl import config as config_lib
+from fbos_jax.rl import rollout as R
+from fbos_jax.rl import shapes
+from fbos_jax.rl import state as state_lib
+from fbos_jax.rl import update as update_lib
+from fbos_jax.rl.run import restore_params
+from fbos_jax.rl.trainer import RLTrainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- typed parts
+
+
+def test_parts_are_typed_hashable_and_complete():
+  c = configs.load("configs/fbos.py:tiny")
+  parts = config_lib.build_parts(c, pad_id=0, eos_id=1, vocab_limit=102)
+  hash(parts)  # frozen all the way down: a key of compiled programs
+  sp = parts.sampling
+  assert sp.round1.prompt_buckets == (16, 32) and sp.round2.prompt_buckets[-1] == 656
+  assert sp.eval.is_greedy and not sp.round1.is_greedy and sp.eval_sampled.temperature == 1.0
+  assert sp.round1.stop_token_ids[0] == 1 and sp.round1.vocab_limit == 102
+  assert parts.update.loss.vocab_limit == 102  # the trainer's log-probs: the same ids
+  assert parts.rollout.round2 and parts.rollout.batch_names == ("epa", "ecc")
+  assert parts.optim.total_steps == c.train.steps
+
+
+@pytest.mark.parametrize("field", ["sampling.decode_phase", "rl.epa_selct"])
+def test_unknown_sampling_or_rollout_field_fails_at_build(field):
+  """A field no part reads (a typo in a config file) is refused, named."""
+  c = configs.load("configs/fbos.py:tiny")
+  section, name = field.split(".")
+  with c.unlocked():
+    c[section][name] = 3
+  with pytest.raises(ValueError, match=rf"unknown config field\(s\) {field}"):
+    config_lib.build_parts(c)
+
+
+# ---------------------------------------------------------------- one shape model
+
+
+def test_the_step_pads_to_the_shape_model(tmp_path, small, one_device_mesh):
+  """The rollout's padded batches and the sampler programs it compiles are the
+  shapes the compiled plan compiles (fbos_jax/rl/shapes.py)."""
+  c = small("configs/fbos.py:tiny", **{"rl.fixed_row_buckets": True})
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh, log_metrics=False)
+  state = tr.init_state()
+  before = set(sampling._FNS)
+  batches, _, _ = R.rollout_step(tr.ctx, state.params, next(tr.train_iter),
+                                 state_lib.stream_key(state.rng, "sample", 0))
+  want = shapes.update_shapes(tr.parts, batch_shards=1)
+  assert set(batches) == set(want) == {"epa", "ecc"}
+  for name, b in batches.items():
+    assert b.num_rows == want[name].rows, name
+    assert b.prompt_len <= want[name].prompt_len and b.response_len == want[name].response_len
+  compiled = [k for k in sampling._FNS if k not in before] or list(sampling._FNS)
+  largest = shapes.sampler_shapes(tr.parts, batch_shards=1)
+  for key in compiled:  # (cfg, static, batch, prompt_len, n, mesh, rules)
+    batch, prompt_len, n = key[2], key[3], key[4]
+    assert any(batch <= s.prompts and prompt_len <= s.prompt_len and n == s.n
+               for s in largest.values()), (batch, prompt_len, n)
+  tr.close()
+
+
+def test_call_buckets_are_the_samplers_chunks():
+  assert sampling.call_buckets(5, (4, 8)) == [8]
+  assert sampling.call_buckets(20, (4, 8)) == [8, 8, 4]
+  assert sampling.call_buckets(3, (4, 8), shards=8) == [8]  # a multiple of the shards
+
+
+# ---------------------------------------------------------------- randomness
+
+
+def test_streams_are_distinct_and_named():
+  rng = state_lib.root_rng(0)
+  keys = {name: np.asarray(jax.random.key_data(state_lib.stream_key(rng, name, 3)))
+          for name in state_lib.STREAMS}
+  assert len({k.tobytes() for k in keys.values()}) == len(keys)
+  with pytest.raises(ValueError, match="unknown PRNG stream 'noise'"):
+    state_lib.stream_key(rng, "noise")
+
+
+def test_no_randomness_outside_the_state_streams():
+  """Below rl/, a PRNG key or a host generator comes from TrainState.rng's
+  streams (or a rollout's own key): no seed arithmetic on config.seed, no
+  fixed keys."""
+  bad = []
+  for f in sorted(os.listdir(os.path.join(ROOT, "fbos_jax", "rl"))):
+    if not f.endswith(".py"):
+      continue
+    src = open(os.path.join(ROOT, "fbos_jax", "rl", f)).read()
+    for pattern in ("jax.random.key(", "PRNGKey(", "config.seed +", "seed + ", "10_000 + step"):
+      if pattern in src and not (f == "state.py" and pattern == "jax.random.key("):
+        bad.append((f, pattern))
+  assert not bad, bad
+
+
+# ---------------------------------------------------------------- restore
+
+
+def test_params_only_restore_and_the_layout_check(tmp_path, small, one_device_mesh):
+  """Eval/export read only the params (a changed rl.staleness does not matter to
+  them); a model change names the field and both values; a resume whose state
+  layout changed names the layout field and both values."""
+  c = small("configs/grpo.py:tiny,decoupled")
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh)
+  state, _ = tr.train()
+  tr.close()
+  stale = small("configs/grpo.py:tiny,decoupled", **{"rl.staleness": 2})
+  params, step = restore_params(stale, str(tmp_path), mesh=one_device_mesh)
+  assert step == 2
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  bigger = small("configs/grpo.py:tiny,decoupled", **{"model.num_layers": 2})
+  with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                     match=r"model\.num_layers: checkpoint=1 config=2"):
+    restore_params(bigger, str(tmp_path), mesh=one_device_mesh)
+  tr = RLTrainer(stale, str(tmp_path), mesh=one_device_mesh)
+  with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                     match=r"rl\.staleness: checkpoint=0 config=2"):
+    tr.maybe_restore(tr.init_state())
+  tr.close()
+
+
+# ---------------------------------------------------------------- shared programs
+
+
+def test_trainers_with_the_same_shapes_share_the_update_program(tmp_path, small,
+                                                                one_device_mesh):
+  a = RLTrainer(small("configs/grpo.py:tiny"), str(tmp_path / "a"), mesh=one_device_mesh)
+  b = RLTrainer(small("configs/grpo.py:tiny", seed=7), str(tmp_path / "b"),
+                mesh=one_device_mesh)
+  fa = update_lib.compiled_update(a.parts, a.mesh, a.rules)
+  assert fa is update_lib.compiled_update(b.parts, b.mesh, b.rules)
+  c = RLTrainer(small("configs/grpo.py:tiny", **{"rl.micro_batches": 2}), str(tmp_path / "c"),
+                mesh=one_device_mesh)
+  assert update_lib.compiled_update(c.parts, c.mesh, c.rules) is not fa
+  for t in (a, b, c):
+    t.close()
+
+
+# ---------------------------------------------------------------- the rules that keep it so
+
+
+def _functions(path):
+  tree = ast.parse(open(path).read(), path)
+  return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_function_in_the_library_is_over_80_lines():
+  long = []
+  for dp, _, fs in os.walk(os.path.join(ROOT, "fbos_jax")):
+    for f in fs:
+      if f.endswith(".py"):
+        path = os.path.join(dp, f)
+        long += [(os.path.relpath(path, ROOT), n.name, n.end_lineno - n.lineno + 1)
+                 for n in _functions(path) if n.end_lineno - n.lineno + 1 > 80]
+  assert not long, long
+
+
+def test_config_sampling_and_rl_are_read_only_in_rl_config():
+  """Below rl/config.py nothing reads ``<config>.sampling`` or ``<config>.rl``
+  (code, not docstrings): the typed parts are handed down."""
+  reads = []
+  for sub in ("fbos_jax", "launch"):
+    for dp, _, fs in os.walk(os.path.join(ROOT, sub)):
+      for f in fs:
+        path = os.path.join(dp, f)
+        if not f.endswith(".py") or path.endswith(os.path.join("rl", "config.py")):
+          continue
+        for n in ast.walk(ast.parse(open(path).read(), path)):
+          if (isinstance(n, ast.Attribute) and n.attr in ("sampling", "rl")
+              and isinstance(n.value, ast.Name) and n.value.id in ("config", "cfg")):
+            reads.append((os.path.relpath(path, ROOT), n.lineno, n.attr))
+  assert not reads, reads
+
+
+def test_nothing_edits_sys_path():
+  """The project is installed (requirements.txt: -e .): no module puts the
+  repository on sys.path (the sandbox's child program aside)."""
+  edits = []
+  for sub in ("fbos_jax", "launch", "tests", "configs"):
+    for dp, _, fs in os.walk(os.path.join(ROOT, sub)):
+      for f in fs:
+        path = os.path.join(dp, f)
+        if (f.endswith(".py") and not path.endswith(os.path.join("verifiers", "sandbox.py"))
+            and f != "test_run_parts.py"):
+          src = open(path).read()
+          if "sys.path.insert" in src or "sys.path.append" in src:
+            edits.append(os.path.relpath(path, ROOT))
+  assert not edits, edits
