@@ -640,11 +640,15 @@ def _interpreter_exposure(python: str, tools: tuple[str, ...]
   links: dict[str, str] = {}
   binds: set[str] = set()
   notes: list[str] = []
-  info = subprocess.run(
-      [python, "-I", "-c", "import os, sys, sysconfig; print(os.path.dirname(os.__file__)); "
-       "print(sysconfig.get_config_var('DESTSHARED') or ''); print(sys.base_prefix)"],
-      capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
-  stdlib, dynload = info[0].strip(), info[1].strip()
+  try:
+    info = subprocess.run(
+        [python, "-I", "-c", "import os, sysconfig; print(os.path.dirname(os.__file__)); "
+         "print(sysconfig.get_config_var('DESTSHARED') or '')"],
+        capture_output=True, text=True, timeout=60, check=True).stdout.splitlines()
+    stdlib, dynload = info[0].strip(), info[1].strip()
+  except (OSError, subprocess.SubprocessError, IndexError) as e:
+    raise SandboxError(f"cannot ask the interpreter {python!r} where its standard "
+                       f"library is: {e}") from None
   real_python = _resolve(python, links)
   if real_python is None:
     raise SandboxError(f"the interpreter {python!r} does not exist")
@@ -859,7 +863,8 @@ class Sandbox:
     seccomp = self.seccomp and seccomp_supported()
     if self.seccomp and not seccomp:
       notes.append("no seccomp filter: unknown syscall numbers on this architecture")
-    self._check_protected()
+    if self.isolation != "none":  # "none" shows the whole host on purpose
+      self._check_protected()
     hidden = self._probe_host_paths()
     probe = _PROBE_PROGRAM.format(host_paths=hidden)
     for prefix in options:
@@ -969,7 +974,8 @@ class Sandbox:
       SandboxError: the sandbox could not be set up (not the program's fault).
     """
     caps = self.capabilities()
-    self._check_protected()  # paths may be declared after the probe
+    if caps["read_only_fs"]:
+      self._check_protected()  # paths may be declared after the probe
     return self._run(caps, source, stdin, limits or self.limits)
 
   def _run(self, caps, source: str, stdin: str,
