@@ -19,7 +19,7 @@ Reliability:
   a lost mount) raises ``CheckpointSaveError`` naming the step, the directory
   and the cause at the next call into the ``Checkpointer`` at the latest
   (``save``, ``wait``, ``close``, ``latest_step``), and at once from
-  ``check_errors()``, which costs nothing and which the trainer calls every
+  ``check_errors()``, which costs nothing and is meant for the trainer to call every
   step. The failed save's threads are joined first, so nothing of orbax's
   prints after the error: the cause is the last line of the run.
 """
