@@ -214,7 +214,25 @@ class _TokenizerInfo:
     self.id_set = frozenset(contents.values())
     texts = sorted(contents, key=lambda t: (-len(t), t))  # longest first
     self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
-    self.plain_backend = _plain_backend(tokenizer)
+    self._tokenizer = weakref.ref(tokenizer) if _weakrefable(tokenizer) else lambda: tokenizer
+    self._plain_backend = None
+    self._plain_backend_made = False
+
+  @property
+  def plain_backend(self):
+    """Built on first need (a copy of a large vocabulary takes a second)."""
+    if not self._plain_backend_made:
+      self._plain_backend = _plain_backend(self._tokenizer())
+      self._plain_backend_made = True
+    return self._plain_backend
+
+
+def _weakrefable(obj) -> bool:
+  try:
+    weakref.ref(obj)
+    return True
+  except TypeError:
+    return False
 
 
 def _plain_backend(tokenizer):
@@ -272,11 +290,14 @@ def encode_plain(tokenizer, text: str) -> list[int]:
   info = _info(tokenizer)
   if not text:
     return []
+  ids = None
   if info.pattern is None or not info.pattern.search(text):
     ids = list(tokenizer.encode(text, add_special_tokens=False))
-  elif info.plain_backend is not None:
+    if not any(i in info.id_set for i in ids):
+      return ids  # the common case: nothing to keep out
+  if info.plain_backend is not None:
     ids = list(info.plain_backend.encode(text, add_special_tokens=False).ids)
-  else:  # cut every occurrence after its first character, encode the parts
+  elif info.pattern is not None:  # cut every occurrence after its first character
     cuts = sorted({m.start() + 1 for m in _overlapping(info.pattern, text)})
     parts = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
     ids = [i for part in parts if part
@@ -322,10 +343,9 @@ def encode_pieces(tokenizer, pieces: Sequence[Piece]) -> list[int]:
     ids = list(tokenizer.encode(text, add_special_tokens=False)) if text else []
     if sum(i in info.id_set for i in ids) == len(allowed):
       return ids
-  out, run, pos = [], [], 0
+  out, pos = [], 0
   for start, end in allowed + [(len(text), len(text))]:
-    run = text[pos:start]
-    out += encode_plain(tokenizer, run)
+    out += encode_plain(tokenizer, text[pos:start])
     if end > start:
       out.append(info.ids[text[start:end]])
     pos = end
