@@ -448,12 +448,16 @@ def _has_held_out(cfg) -> bool:
   return bool(cfg.get("eval_path")) or float(cfg.get("eval_fraction", 0.0)) > 0
 
 
-def split_records(cfg, forbidden: tuple[str, ...] = ()) -> tuple[list[dict], int, int]:
+def split_records(cfg, forbidden: tuple[str, ...] = (), stats: dict | None = None
+                  ) -> tuple[list[dict], int, int]:
   """The records of ``cfg.split`` for a jsonl/parquet config.
 
   Args:
     cfg: the data config.
     forbidden: texts a record may not hold (see ``load_records``).
+    stats: if given, receives ``near_duplicates``: training records removed
+      because their prompt equals a held-out prompt up to case and whitespace
+      only (not exactly).
 
   Returns:
     ``(records, malformed_skipped, held_out_excluded)``: for ``split="train"``
@@ -504,6 +508,8 @@ def split_records(cfg, forbidden: tuple[str, ...] = ()) -> tuple[list[dict], int
     else:
       train.append(r)
   excluded = len(records) - len(train)
+  if stats is not None:
+    stats["near_duplicates"] = len(near)
   if not train:
     raise ValueError(f"every record of data.path={cfg.path!r} is in the held-out "
                      "set; nothing is left to train on")
@@ -574,7 +580,7 @@ def build_dataset(cfg, *, process_index: int, process_count: int,
   """
   if not 0 <= process_index < process_count:
     raise ValueError(f"bad shard {process_index} of {process_count}")
-  counts = {"malformed_skipped": 0, "held_out_excluded": 0}
+  counts = {"malformed_skipped": 0, "held_out_excluded": 0, "near_duplicates": 0}
   if cfg.source == "procedural":
     _check_split(cfg)
     src = tasks.ProceduralSource(
@@ -587,7 +593,7 @@ def build_dataset(cfg, *, process_index: int, process_count: int,
     finite = bool(cfg.num_examples)
   elif cfg.source in ("jsonl", "parquet"):
     records, counts["malformed_skipped"], counts["held_out_excluded"] = (
-        split_records(cfg, forbidden))
+        split_records(cfg, forbidden, counts))
     ds = grain.MapDataset.source(records)
     finite = True
   else:
@@ -609,25 +615,38 @@ _ORDER_FIELDS = ("source", "path", "task", "difficulty", "max_difficulty",
 _SPLIT_FIELDS = ("eval_path", "eval_fraction", "id_field")
 
 
+def _stream_changes(cfg, counts: dict[str, int]) -> dict[str, Any]:
+  """What makes this stream differ from the one an older loader built from the
+  same config (issue 23): a resume across it must be refused, not silently
+  read at shifted positions. Empty in the common case, so older states match."""
+  extra = {}
+  if cfg.get("special_text", "refuse") != "refuse":
+    extra["special_text"] = cfg.special_text
+  if counts.get("near_duplicates"):
+    extra["eval_near_duplicates_removed"] = int(counts["near_duplicates"])
+  return extra
+
+
 def _fingerprint_fields(cfg, process_index: int, process_count: int,
-                        batch_size: int) -> dict[str, Any]:
+                        batch_size: int, extra: dict | None = None) -> dict[str, Any]:
   """The fields that define which examples come in which order."""
   keys = list(_ORDER_FIELDS)
   if cfg.source != "procedural" and _has_held_out(cfg):
     keys += _SPLIT_FIELDS
   fields = {k: cfg.get(k) for k in keys}
+  fields.update(extra or {})
   fields.update(process_index=process_index, process_count=process_count,
                 batch_size=batch_size)
   return json.loads(json.dumps(fields, default=str))
 
 
 def _fingerprint(cfg, process_index: int, process_count: int,
-                 batch_size: int) -> str:
+                 batch_size: int, extra: dict | None = None) -> str:
   keys = list(_ORDER_FIELDS)
   if cfg.source != "procedural" and _has_held_out(cfg):
     keys += _SPLIT_FIELDS
-  blob = json.dumps([[k, cfg.get(k)] for k in keys] +
-                    [process_index, process_count, batch_size], default=str)
+  items = [[k, cfg.get(k)] for k in keys] + [[k, v] for k, v in sorted((extra or {}).items())]
+  blob = json.dumps(items + [process_index, process_count, batch_size], default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -826,6 +845,7 @@ def make_prompt_iterator(
       ds, cfg, batch_size=batch_size, tokenizer=tokenizer,
       malformed_skipped=counts["malformed_skipped"],
       held_out_excluded=counts["held_out_excluded"],
-      fingerprint=_fingerprint(cfg, process_index, process_count, batch_size),
+      fingerprint=_fingerprint(cfg, process_index, process_count, batch_size,
+                               _stream_changes(cfg, counts)),
       fingerprint_fields=_fingerprint_fields(cfg, process_index, process_count,
-                                             batch_size))
+                                             batch_size, _stream_changes(cfg, counts)))

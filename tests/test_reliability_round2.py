@@ -130,6 +130,16 @@ def test_near_duplicate_eval_prompts_leave_training_with_a_counted_warning(tmp_p
   assert warned and "removed 6 training record(s)" in warned[0]
   assert "3 identical, 3 equal up to case and whitespace" in warned[0]
   assert f"{train_path}:11" in warned[0]  # names where the near-duplicates are
+  # A data state saved before near-duplicates were removed (same config, the stream of an
+  # older loader) no longer fits the stream: the resume is refused, naming why.
+  cfg = jsonl_config(train_path, eval_path=eval_path)
+  it = data.make_prompt_iterator(cfg, batch_size=2, process_index=0, process_count=1)
+  old = it.get_state()
+  assert old["fields"].pop("eval_near_duplicates_removed") == 3
+  old["fingerprint"] = data._fingerprint(cfg, 0, 1, 2)  # what the older loader wrote
+  with pytest.raises(ValueError, match=r"eval_near_duplicates_removed: saved None, now 3"):
+    it.set_state(old)
+  it.set_state(it.get_state())  # its own state restores
 
 
 # ------------------------------------------------------ NaN / inf weights in an HF checkpoint
