@@ -15,6 +15,13 @@ Reliability:
   config changed in a field that matters (``rl.group_size``, ``algo``, the
   loss fields, the model, the data source, ...), naming each field; the
   fields that do not matter are listed in ``RESUME_IGNORED_FIELDS``.
+* An asynchronous save that fails in its background thread (a full disk,
+  a lost mount) raises ``CheckpointSaveError`` naming the step, the directory
+  and the cause at the next call into the ``Checkpointer`` at the latest
+  (``save``, ``wait``, ``close``, ``latest_step``), and at once from
+  ``check_errors()``, which costs nothing and is meant for the trainer to call every
+  step. The failed save's threads are joined first, so nothing of orbax's
+  prints after the error: the cause is the last line of the run.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointRestoreError(RuntimeError):
   """No checkpoint of the directory could be read; names each one tried."""
+
+
+class CheckpointSaveError(RuntimeError):
+  """An asynchronous checkpoint save failed; names the step, directory and cause."""
 
 
 # Config fields (dotted; a trailing ".*" covers a whole section) whose change
@@ -168,18 +179,89 @@ class Checkpointer:
         item_names=("state", "data", "meta"),
     )
     self.restored_step: Optional[int] = None
+    self._save_error: Optional[CheckpointSaveError] = None
+    self._pending_step: Optional[int] = None  # the step of the last save started
+
+  # -- failures of asynchronous saves ----------------------------------------
+
+  def _failed_save(self) -> Optional[BaseException]:
+    """The exception of a finished background save, or None (never blocks)."""
+    ref = getattr(self.manager, "_finalize_thread", None)
+    thread = ref.get() if hasattr(ref, "get") else ref
+    if thread is not None and not thread.is_alive():
+      exc = getattr(thread, "exception", None)
+      if exc is not None:
+        return exc
+    try:
+      self.manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-except
+      return e
+    return None
+
+  def _raise_save_error(self, exc: BaseException, step: Optional[int]) -> None:
+    where = f"{self.directory}/{step}" if step is not None else self.directory
+    try:  # let orbax finish cleaning up now, so it prints nothing after this
+      self.manager.wait_until_finished()
+    except BaseException:  # pylint: disable=broad-except
+      pass
+    err = CheckpointSaveError(
+        f"checkpoint save of step {step} to {where} failed, so the run stops (the last "
+        f"complete checkpoint is step {self._complete_step()}; fix the cause and "
+        f"resume): {type(exc).__name__}: {exc}")
+    self._save_error = err
+    raise err from exc
+
+  def _complete_step(self) -> Optional[int]:
+    try:
+      steps = [s for s in self.manager.all_steps() if s != self._pending_step]
+      return max(steps) if steps else None
+    except Exception:  # pylint: disable=broad-except
+      return None
+
+  def check_errors(self) -> None:
+    """Raises ``CheckpointSaveError`` (cause chained) if a background save has
+    failed; a no-op otherwise. Cheap and non-blocking: call it every step."""
+    if self._save_error is not None:
+      raise self._save_error
+    exc = self._failed_save()
+    if exc is not None:
+      self._raise_save_error(exc, self._pending_step)
+
+  def _wait_checked(self) -> None:
+    """``wait_until_finished``, with a failed save as ``CheckpointSaveError``."""
+    self.check_errors()
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      self._raise_save_error(e, self._pending_step)
+
+  # -- saving ---------------------------------------------------------------
 
   def latest_step(self) -> Optional[int]:
+    self.check_errors()
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, data_state: Any, meta: dict, *, force: bool = False):
-    return self.manager.save(
-        int(step),
-        args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=ocp.args.JsonSave(_to_jsonable(data_state)),
-            meta=ocp.args.JsonSave(_to_jsonable(meta))),
-        force=force)
+    """Starts saving ``step`` (asynchronously when enabled). Raises
+    ``CheckpointSaveError`` first if an earlier save failed."""
+    self.check_errors()
+    previous = self._pending_step
+    self._pending_step = int(step)
+    try:
+      return self.manager.save(
+          int(step),
+          args=ocp.args.Composite(
+              state=ocp.args.StandardSave(state),
+              data=ocp.args.JsonSave(_to_jsonable(data_state)),
+              meta=ocp.args.JsonSave(_to_jsonable(meta))),
+          force=force)
+    except Exception as e:  # pylint: disable=broad-except
+      if self._failed_save() is not None:  # orbax waited for the previous save
+        self._pending_step = previous
+        self._raise_save_error(e, previous)
+      if isinstance(e, OSError):  # this save could not even start (disk full)
+        self._raise_save_error(e, int(step))
+      raise
 
   def restore(self, step: Optional[int], abstract_state: Any, expected_meta: Optional[dict] = None):
     """Restore into ``abstract_state`` (ShapeDtypeStructs carrying the target
@@ -272,18 +354,21 @@ class Checkpointer:
                 {"params": abstract_params}))))
     return restored["state"]["params"], step, meta
 
-  def check(self):
-    """Raise the error of a failed asynchronous save (e.g. a full disk), if any."""
-    check = getattr(self.manager, "check_for_errors", None)
-    if check is not None:
-      check()
-
   def wait(self):
-    self.manager.wait_until_finished()
+    """Blocks until the pending save is written; ``CheckpointSaveError`` if it failed."""
+    self._wait_checked()
 
   def close(self):
-    self.manager.wait_until_finished()
-    self.manager.close()
+    """Finishes the pending save and closes; ``CheckpointSaveError`` if it failed
+    (the manager is closed all the same)."""
+    try:
+      self._wait_checked()
+    finally:
+      try:
+        self.manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if self._save_error is None:
+          raise
 
 
 _MODEL_FIELDS_IGNORED = ("param_dtype", "compute_dtype", "remat", "hf_path", "tokenizer_path",

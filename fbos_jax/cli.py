@@ -1,11 +1,55 @@
 """What the launchers in ``launch/`` share: absl flag parsing with a one-line
-error for a bad ``--config.*`` override. The project is installed
+error for a bad ``--config.*`` override, and a quiet libtpu on machines without
+a TPU (launchers import this module first, before jax). The project is installed
 (``pip install -r requirements.txt`` installs ``fbos_jax``, ``configs`` and
 ``fbos_kernels`` in editable mode), so no launcher touches ``sys.path``."""
+import glob
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # every TPU chip is a PCI device of this vendor
+_ACCELERATOR_NODES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd",
+                      "/dev/dxg", "/proc/driver/nvidia/gpus/*")
+
+
+def accelerator_attached() -> bool:
+  """Whether this machine may have a TPU or GPU: a Google PCI device (a TPU chip), or a
+  TPU / GPU device node. Errs on the side of yes."""
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(vendor) as f:
+        if f.read().strip() == _GOOGLE_PCI_VENDOR:
+          return True
+    except OSError:
+      continue
+  return any(glob.glob(pattern) for pattern in _ACCELERATOR_NODES)
+
+
+def choose_cpu_platform_without_accelerator(environ=os.environ) -> bool:
+  """On a machine with no TPU and no GPU, run JAX on the CPU (``JAX_PLATFORMS=cpu``).
+
+  With libtpu installed (``requirements-test.txt`` brings it), JAX otherwise loads
+  the TPU plugin on every start, and libtpu prints its initialization errors ("Failed
+  to find host bounds for accelerator type", "INVALID_ARGUMENT ... TPU_WORKER_HOSTNAMES")
+  before falling back to the CPU: a new user reads that as a broken install. Nothing
+  changes when the user chose a platform (``JAX_PLATFORMS`` / ``JAX_PLATFORM_NAME``),
+  forces TPU initialization (``JAX_FORCE_TPU_INIT``), or when a TPU or GPU may be
+  attached (real TPU and GPU runs pick their backend as before). Returns whether it set
+  the platform. Must run before jax starts a backend (launchers import this module
+  first)."""
+  if any(environ.get(k) for k in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME", "JAX_FORCE_TPU_INIT")):
+    return False
+  if accelerator_attached():
+    return False
+  environ["JAX_PLATFORMS"] = "cpu"
+  if "jax" in sys.modules and environ is os.environ:  # already imported: set the flag too
+    sys.modules["jax"].config.update("jax_platforms", "cpu")
+  return True
+
+
+choose_cpu_platform_without_accelerator()
 
 
 def parse_flags(argv):

@@ -7,7 +7,9 @@
 * the console shows WARNING and up by default, so orbax's and absl's INFO lines
   no longer interleave with the progress bars; ``verbosity="info"`` (or an
   absl-style integer, ``0`` = INFO, ``1`` = DEBUG) brings them back;
-* Python ``warnings`` are routed into the same log.
+* Python ``warnings`` are routed into the same log;
+* the workdir is declared to the code sandbox (``sandbox.protect_path``), which
+  refuses to run programs that could see it.
 
 Call it once at start-up, after flags are parsed (``verbosity`` from a
 ``--verbosity``-style flag), e.g. in ``launch/train.py``'s ``main``::
@@ -119,6 +121,10 @@ def setup_logging(workdir: str, *, verbosity: Union[str, int] = "warning",
   absl_logging.set_verbosity(
       {logging.DEBUG: absl_logging.DEBUG}.get(file_level, absl_logging.INFO))
   logging.captureWarnings(True)
+  # The workdir holds checkpoints, logs and the data state: the code sandbox
+  # must never show it to the programs it runs (it refuses to run otherwise).
+  from fbos_jax.verifiers import sandbox  # pylint: disable=g-import-not-at-top
+  sandbox.protect_path(workdir)
   return path
 
 

@@ -16,8 +16,15 @@ Entry point::
     memory when the iterator is made (prompt sets are small); each record
     needs ``prompt_field`` and may have ``answer_field`` / ``id_field``.
     A JSONL line that is not a JSON object, a record without the prompt
-    field, or a record without a field its verifier needs (e.g. ``answer``
-    for "math", ``tests`` for "code": the verifier's ``required_fields``) is
+    field, a prompt that is not a string or is empty (blank), a record
+    without a field its verifier needs (e.g. ``answer`` for "math",
+    ``tests`` for "code": the verifier's ``required_fields``), an answer that
+    is not a string nor of a type its verifier declares (``answer_types``;
+    answers are never converted), or, when the iterator has a tokenizer, a
+    text (prompt, answer, ``solution_field``) holding special-token text or
+    a template marker (``templates.forbidden_texts``; with
+    ``special_text="escape"`` such a record is kept, its text encoded as plain
+    characters, and a warning counts them) is
     *malformed*: ``on_malformed="error"`` raises
     ``MalformedRecordError("<file>:<line>: ...")``; ``"skip"`` drops it,
     counts it in ``stats()["data/malformed_skipped"]`` and logs the count
@@ -26,7 +33,8 @@ Entry point::
     messages).
     **Held-out split**: ``split="eval"`` returns only held-out records and
     ``split="train"`` never returns them. The held-out set is ``eval_path``
-    (a separate file; training also drops records whose prompt is in it), or
+    (a separate file; training also drops records whose prompt is in it, up
+    to case and whitespace, with a warning that counts them), or
     else the records whose id (``id_field``; the prompt text when a record
     has no id) hashes into the first ``eval_fraction`` of the hash space:
     deterministic, independent of file order, and records sharing a prompt
@@ -71,6 +79,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 from typing import Any, Iterator
 
@@ -79,6 +88,7 @@ import grain
 import ml_collections
 
 from fbos_jax import tasks
+from fbos_jax import templates
 from fbos_jax.verifiers import base as verifiers_base
 
 STATE_VERSION = 1
@@ -93,6 +103,10 @@ class MalformedRecordError(ValueError):
 
 class VerifierConflictError(ValueError):
   """A record's ``verifier`` column contradicts an explicit ``data.verifier``."""
+
+
+class SpecialTextError(MalformedRecordError):
+  """A record's text holds special-token text or a template marker."""
 
 
 def default_data_config() -> ml_collections.ConfigDict:
@@ -127,6 +141,11 @@ def default_data_config() -> ml_collections.ConfigDict:
       "max_prompt_tokens": 0,  # 0 = no limit; needs a tokenizer
       "over_long": "filter",  # "filter" | "truncate" | "error"
       "on_malformed": "error",  # "error" | "skip"
+      # A record whose text (prompt, answer, solution_field) holds special-token
+      # text of the tokenizer or a template marker (templates.forbidden_texts):
+      # "refuse" (a malformed record, named file:line) | "escape" (kept, its
+      # text encoded as plain characters, never a special token; a warning).
+      "special_text": "refuse",
       "drop_remainder": True,  # drop the last partial batch of finite data
       "read_threads": 4,  # grain worker threads building examples
   })
@@ -159,6 +178,46 @@ def _required_fields(verifier: str) -> tuple[str, ...]:
   return verifiers_base.required_fields(verifier)
 
 
+@functools.lru_cache(maxsize=None)
+def _answer_types(verifier: str) -> tuple[type, ...]:
+  return verifiers_base.answer_types(verifier)
+
+
+def _check_answer(answer: Any, where: str, shown: str, verifier: str) -> None:
+  """Raises unless ``answer`` is a string or a type ``verifier`` declares."""
+  if answer is None or isinstance(answer, str):
+    return
+  accepted = _answer_types(verifier)
+  kind = type(answer).__name__
+  if isinstance(answer, float) and not math.isfinite(answer):
+    raise MalformedRecordError(
+        f"{where}: field {shown!r} is the number {answer!r} (a JSON number too large "
+        "for a float, or NaN), not an answer a verifier can grade; write the answer "
+        "as a JSON string")
+  ok = isinstance(answer, accepted) and not (
+      isinstance(answer, bool) and bool not in accepted)
+  if not ok:
+    names = ", ".join(t.__name__ for t in accepted)
+    raise MalformedRecordError(
+        f"{where}: field {shown!r} is a {kind} ({json.dumps(answer, default=str)[:60]}), "
+        f"but verifier {verifier!r} grades answers of type {names} (its answer_types); "
+        "write the answer as a JSON string exactly as a response must match it "
+        "(e.g. \"0042\", not 42): it is not converted, so nothing is graded against "
+        "a different text")
+
+
+def _special_text_fields(record: dict, ex: dict, cfg) -> list[tuple[str, str]]:
+  """(shown field name, text) of the record's text that reaches a prompt or
+  a training target: the prompt, a string answer, ``solution_field``."""
+  out = [(cfg.prompt_field, ex["prompt"])]
+  if isinstance(ex.get("answer"), str):
+    out.append((cfg.answer_field, ex["answer"]))
+  sol = cfg.get("solution_field", "")
+  if sol and isinstance(record.get(sol), str):
+    out.append((sol, record[sol]))
+  return out
+
+
 def _blank(value: Any) -> bool:
   return value is None or (isinstance(value, str) and not value.strip())
 
@@ -171,24 +230,35 @@ def locate(example: dict) -> str:
   return f"{where} (id {rid!r})" if where else f"id {rid!r}"
 
 
-def _normalize(record: Any, where: str, cfg) -> dict:
-  """Record -> example dict with str prompt/answer/id (or raises).
+def _normalize(record: Any, where: str, cfg, forbidden: tuple[str, ...] = ()) -> dict:
+  """Record -> example dict with str prompt/id (or raises).
 
-  Also resolves the example's verifier (see the module doc) and checks that
-  the record has every field that verifier requires.
+  Also resolves the example's verifier (see the module doc), checks that the
+  record has every field that verifier requires, that the prompt is a
+  non-empty string, that the answer is a string or of a type the verifier
+  declares (``answer_types``), and that no text holds one of ``forbidden``
+  (special-token text / template markers; ``data.special_text``). An escaped
+  record gets ``"_special_text"`` set to the first marker found.
   """
   if not isinstance(record, dict):
     raise MalformedRecordError(
         f"{where}: expected a JSON object, got {type(record).__name__}")
   prompt = record.get(cfg.prompt_field)
+  rid = record.get(cfg.id_field)
   if prompt is None:
     raise MalformedRecordError(f"{where}: missing field {cfg.prompt_field!r}")
+  if not isinstance(prompt, str):
+    raise MalformedRecordError(
+        f"{where}: field {cfg.prompt_field!r} is a {type(prompt).__name__}, not a "
+        "string (it is not converted)")
+  if not prompt.strip():
+    raise MalformedRecordError(
+        f"{where} (id {str(rid) if rid is not None else where!r}): field "
+        f"{cfg.prompt_field!r} is empty; a model cannot be prompted with nothing")
   ex = dict(record)
-  ex["prompt"] = str(prompt)
+  ex["prompt"] = prompt
   answer = record.get(cfg.answer_field)
-  ex["answer"] = None if answer is None else (
-      answer if isinstance(answer, str) else json.dumps(answer))
-  rid = record.get(cfg.id_field)
+  ex["answer"] = answer
   ex["id"] = str(rid) if rid is not None else where
   ex[LOCATION_KEY] = where
   column = record.get("verifier")
@@ -213,16 +283,32 @@ def _normalize(record: Any, where: str, cfg) -> dict:
       raise MalformedRecordError(
           f"{where}: missing field {shown!r}, which verifier {name!r} needs "
           "(a record without it would be graded against nothing)")
+  _check_answer(answer, where, cfg.answer_field, name)
+  if forbidden:
+    for shown, text in _special_text_fields(record, ex, cfg):
+      marker = templates.find_forbidden(text, forbidden)
+      if marker is None:
+        continue
+      if cfg.get("special_text", "refuse") != "escape":
+        raise SpecialTextError(
+            f"{where} (id {ex['id']!r}): field {shown!r} holds {marker!r}, which is "
+            "special-token text of the tokenizer or a marker of the prompt "
+            "templates; the record could forge a turn, an end of text or a "
+            "feedback block. Remove it, or set data.special_text='escape' to keep "
+            "such text as plain characters")
+      ex["_special_text"] = f"field {shown!r} holds {marker!r}"
+      break
   # The held-out split's key: the record's own id, else its prompt text.
   ex["_split_key"] = f"id:{rid}" if rid is not None else f"prompt:{ex['prompt']}"
   return ex
 
 
-def read_jsonl(path: str, cfg, problems: list | None = None
-               ) -> tuple[list[dict], int]:
+def read_jsonl(path: str, cfg, problems: list | None = None,
+               forbidden: tuple[str, ...] = ()) -> tuple[list[dict], int]:
   """Reads one JSONL file -> (examples, malformed lines skipped).
 
-  ``problems`` (optional) collects the skipped lines' error messages.
+  ``problems`` (optional) collects the skipped lines' error messages;
+  ``forbidden``: the texts a record may not hold (``_normalize``).
   """
   import fsspec  # pylint: disable=g-import-not-at-top
 
@@ -239,7 +325,7 @@ def read_jsonl(path: str, cfg, problems: list | None = None
         record = json.loads(line)
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MalformedRecordError(f"{where}: malformed JSON ({e})") from None
-      ex = _normalize(record, where, cfg)
+      ex = _normalize(record, where, cfg, forbidden)
       if cfg.id_field not in record:
         ex["id"] = f"{name}:{lineno}"
       out.append(ex)
@@ -252,8 +338,8 @@ def read_jsonl(path: str, cfg, problems: list | None = None
   return out, skipped
 
 
-def read_parquet(path: str, cfg, problems: list | None = None
-                 ) -> tuple[list[dict], int]:
+def read_parquet(path: str, cfg, problems: list | None = None,
+                 forbidden: tuple[str, ...] = ()) -> tuple[list[dict], int]:
   """Reads one Parquet file -> (examples, malformed rows skipped)."""
   import fsspec  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
@@ -264,7 +350,7 @@ def read_parquet(path: str, cfg, problems: list | None = None
   out, skipped = [], 0
   for i, record in enumerate(rows):
     try:
-      ex = _normalize(record, f"{path}:row {i}", cfg)
+      ex = _normalize(record, f"{path}:row {i}", cfg, forbidden)
       if cfg.id_field not in record or record.get(cfg.id_field) is None:
         ex["id"] = f"{name}:{i}"
       out.append(ex)
@@ -277,39 +363,70 @@ def read_parquet(path: str, cfg, problems: list | None = None
   return out, skipped
 
 
-def load_records(cfg, path: str | None = None) -> tuple[list[dict], int]:
+def load_records(cfg, path: str | None = None, *,
+                 forbidden: tuple[str, ...] = ()) -> tuple[list[dict], int]:
   """All examples of jsonl/parquet files -> (examples, skipped count).
 
   Args:
     cfg: the data config.
     path: the files to read (default ``cfg.path``; e.g. ``cfg.eval_path``).
+    forbidden: texts a record may not hold (``templates.forbidden_texts``;
+      ``data.special_text`` says whether such a record is refused or kept).
 
   Skipped malformed records (``on_malformed="skip"``) are logged once: their
   count and the first few locations and reasons. (No held-out split here:
   ``split_records`` applies it.)
   """
-  records, skipped = _load_records(cfg, path)
+  records, skipped = _load_records(cfg, path, forbidden)
   return _strip(records), skipped
 
 
-def _load_records(cfg, path: str | None = None) -> tuple[list[dict], int]:
+def _load_records(cfg, path: str | None = None,
+                  forbidden: tuple[str, ...] = ()) -> tuple[list[dict], int]:
   if cfg.on_malformed not in ("error", "skip"):
     raise ValueError(f"data.on_malformed must be 'error' or 'skip': {cfg.on_malformed!r}")
+  if cfg.get("special_text", "refuse") not in ("refuse", "escape"):
+    raise ValueError(f"data.special_text must be 'refuse' or 'escape': "
+                     f"{cfg.special_text!r}")
   path = cfg.path if path is None else path
   reader = {"jsonl": read_jsonl, "parquet": read_parquet}[cfg.source]
   records, skipped, problems = [], 0, []
   for p in expand_paths(path):
-    r, s = reader(p, cfg, problems)
+    _protect_from_sandbox(p)
+    r, s = reader(p, cfg, problems, forbidden)
     records.extend(r)
     skipped += s
   if skipped:
     logging.warning(
         "data: skipped %d malformed record(s) of %s (data.on_malformed='skip'); "
         "first: %s", skipped, path, " | ".join(problems[:LOG_FIRST]))
+  escaped = [r for r in records if r.get("_special_text")]
+  if escaped:
+    logging.warning(
+        "data: %d record(s) of %s hold special-token text or a template marker, "
+        "kept as plain characters (data.special_text='escape'; it never becomes a "
+        "special token); first: %s", len(escaped), path,
+        " | ".join(f"{r[LOCATION_KEY]}: {r['_special_text']}" for r in escaped[:LOG_FIRST]))
   if not records:
     first = f"; first problem: {problems[0]}" if problems else ""
     raise ValueError(f"no usable records in {path!r}{first}")
   return records, skipped
+
+
+def _protect_from_sandbox(path: str) -> None:
+  """Tells the code sandbox that a data file (and its directory) must stay
+  invisible to the programs it runs (it refuses to run otherwise)."""
+  if "://" in path and not path.startswith("file://"):
+    return
+  from fbos_jax.verifiers import sandbox  # pylint: disable=g-import-not-at-top
+  local = path[len("file://"):] if path.startswith("file://") else path
+  sandbox.protect_path(local)
+  sandbox.protect_path(os.path.dirname(os.path.abspath(local)))
+
+
+def normalize_prompt(text: str) -> str:
+  """A prompt up to case and whitespace: near-duplicates map to one key."""
+  return " ".join(text.casefold().split())
 
 
 # ---------------------------------------------------------------------------
@@ -332,14 +449,23 @@ def _has_held_out(cfg) -> bool:
   return bool(cfg.get("eval_path")) or float(cfg.get("eval_fraction", 0.0)) > 0
 
 
-def split_records(cfg) -> tuple[list[dict], int, int]:
+def split_records(cfg, forbidden: tuple[str, ...] = (), stats: dict | None = None
+                  ) -> tuple[list[dict], int, int]:
   """The records of ``cfg.split`` for a jsonl/parquet config.
+
+  Args:
+    cfg: the data config.
+    forbidden: texts a record may not hold (see ``load_records``).
+    stats: if given, receives ``near_duplicates``: training records removed
+      because their prompt equals a held-out prompt up to case and whitespace
+      only (not exactly).
 
   Returns:
     ``(records, malformed_skipped, held_out_excluded)``: for ``split="train"``
-    the training records (held-out ones and ones sharing a held-out prompt
-    removed; ``held_out_excluded`` counts them), for ``"eval"`` the held-out
-    records only.
+    the training records (held-out ones and ones whose prompt equals a
+    held-out prompt up to case and whitespace removed, with a warning that
+    counts them; ``held_out_excluded`` counts all removed), for ``"eval"``
+    the held-out records only.
   """
   _check_split(cfg)
   if cfg.split == "eval" and not _has_held_out(cfg):
@@ -350,13 +476,13 @@ def split_records(cfg) -> tuple[list[dict], int, int]:
         "scored on training records")
   if cfg.get("eval_path"):
     if cfg.split == "eval":
-      records, skipped = _load_records(cfg, cfg.eval_path)
+      records, skipped = _load_records(cfg, cfg.eval_path, forbidden)
       return _strip(records), skipped, 0
-    held_out, _ = _load_records(cfg, cfg.eval_path)
-    records, skipped = _load_records(cfg)
+    held_out, _ = _load_records(cfg, cfg.eval_path, forbidden)
+    records, skipped = _load_records(cfg, None, forbidden)
     held_keys = set()  # ids of two files may coincide: match by prompt only
   else:
-    records, skipped = _load_records(cfg)
+    records, skipped = _load_records(cfg, None, forbidden)
     fraction = float(cfg.eval_fraction)
     if fraction <= 0:
       return _strip(records), skipped, 0
@@ -370,22 +496,40 @@ def split_records(cfg) -> tuple[list[dict], int, int]:
             "set data.eval_path")
       return _strip(held_out), skipped, 0
     held_keys = {r["_split_key"] for r in held_out}
-  held_prompts = {r["prompt"] for r in held_out}
-  train = [r for r in records
-           if r["_split_key"] not in held_keys and r["prompt"] not in held_prompts]
+  held_exact = {r["prompt"] for r in held_out}
+  held_near = {normalize_prompt(r["prompt"]) for r in held_out}
+  train, exact, near = [], [], []
+  for r in records:
+    if r["_split_key"] in held_keys:
+      continue  # a held-out record itself
+    if r["prompt"] in held_exact:
+      exact.append(r)
+    elif normalize_prompt(r["prompt"]) in held_near:
+      near.append(r)
+    else:
+      train.append(r)
   excluded = len(records) - len(train)
+  if stats is not None:
+    stats["near_duplicates"] = len(near)
   if not train:
     raise ValueError(f"every record of data.path={cfg.path!r} is in the held-out "
                      "set; nothing is left to train on")
   if excluded:
     logging.info("data: %d of %d records of %s are held out for eval (%s)",
                  excluded, len(records), cfg.path, describe_eval_source(cfg))
+  if exact or near:
+    logging.warning(
+        "data: removed %d training record(s) of %s whose prompt is also a held-out "
+        "prompt (%d identical, %d equal up to case and whitespace), so the eval "
+        "stays held out; first: %s", len(exact) + len(near), cfg.path, len(exact),
+        len(near), ", ".join(locate(r) for r in (near + exact)[:LOG_FIRST]))
   return _strip(train), skipped, excluded
 
 
 def _strip(records: list[dict]) -> list[dict]:
   for r in records:
     r.pop("_split_key", None)
+    r.pop("_special_text", None)
   return records
 
 
@@ -398,7 +542,7 @@ def describe_eval_source(cfg) -> str:
   if cfg.get("eval_path"):
     return (f"held-out eval: data.eval_path={cfg.eval_path!r}, a separate file; "
             f"training on data.path={cfg.path!r} drops any record whose prompt "
-            "is in it")
+            "is in it (up to case and whitespace)")
   fraction = float(cfg.get("eval_fraction", 0.0))
   if fraction > 0:
     return (f"held-out eval: data.eval_fraction={fraction:g} of data.path="
@@ -423,9 +567,13 @@ class _WithVerifier:
     return dict(ex, verifier=self.name)
 
 
-def build_dataset(cfg, *, process_index: int, process_count: int
+def build_dataset(cfg, *, process_index: int, process_count: int,
+                  forbidden: tuple[str, ...] = ()
                   ) -> tuple[grain.MapDataset, dict[str, int]]:
   """The host's grain ``MapDataset`` of example dicts (before length checks).
+
+  ``forbidden``: texts a file record may not hold (see ``load_records``;
+  procedural prompts are generated here and not checked).
 
   Returns:
     ``(dataset, counts)`` with counts ``malformed_skipped`` and
@@ -433,7 +581,7 @@ def build_dataset(cfg, *, process_index: int, process_count: int
   """
   if not 0 <= process_index < process_count:
     raise ValueError(f"bad shard {process_index} of {process_count}")
-  counts = {"malformed_skipped": 0, "held_out_excluded": 0}
+  counts = {"malformed_skipped": 0, "held_out_excluded": 0, "near_duplicates": 0}
   if cfg.source == "procedural":
     _check_split(cfg)
     src = tasks.ProceduralSource(
@@ -446,7 +594,7 @@ def build_dataset(cfg, *, process_index: int, process_count: int
     finite = bool(cfg.num_examples)
   elif cfg.source in ("jsonl", "parquet"):
     records, counts["malformed_skipped"], counts["held_out_excluded"] = (
-        split_records(cfg))
+        split_records(cfg, forbidden, counts))
     ds = grain.MapDataset.source(records)
     finite = True
   else:
@@ -468,25 +616,38 @@ _ORDER_FIELDS = ("source", "path", "task", "difficulty", "max_difficulty",
 _SPLIT_FIELDS = ("eval_path", "eval_fraction", "id_field")
 
 
+def _stream_changes(cfg, counts: dict[str, int]) -> dict[str, Any]:
+  """What makes this stream differ from the one an older loader built from the
+  same config (issue 23): a resume across it must be refused, not silently
+  read at shifted positions. Empty in the common case, so older states match."""
+  extra = {}
+  if cfg.get("special_text", "refuse") != "refuse":
+    extra["special_text"] = cfg.special_text
+  if counts.get("near_duplicates"):
+    extra["eval_near_duplicates_removed"] = int(counts["near_duplicates"])
+  return extra
+
+
 def _fingerprint_fields(cfg, process_index: int, process_count: int,
-                        batch_size: int) -> dict[str, Any]:
+                        batch_size: int, extra: dict | None = None) -> dict[str, Any]:
   """The fields that define which examples come in which order."""
   keys = list(_ORDER_FIELDS)
   if cfg.source != "procedural" and _has_held_out(cfg):
     keys += _SPLIT_FIELDS
   fields = {k: cfg.get(k) for k in keys}
+  fields.update(extra or {})
   fields.update(process_index=process_index, process_count=process_count,
                 batch_size=batch_size)
   return json.loads(json.dumps(fields, default=str))
 
 
 def _fingerprint(cfg, process_index: int, process_count: int,
-                 batch_size: int) -> str:
+                 batch_size: int, extra: dict | None = None) -> str:
   keys = list(_ORDER_FIELDS)
   if cfg.source != "procedural" and _has_held_out(cfg):
     keys += _SPLIT_FIELDS
-  blob = json.dumps([[k, cfg.get(k)] for k in keys] +
-                    [process_index, process_count, batch_size], default=str)
+  items = [[k, cfg.get(k)] for k in keys] + [[k, v] for k, v in sorted((extra or {}).items())]
+  blob = json.dumps(items + [process_index, process_count, batch_size], default=str)
   return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -528,8 +689,7 @@ class PromptIterator:
   # -- over-long policy ------------------------------------------------------
 
   def _token_len(self, text: str) -> int:
-    from fbos_jax.templates import render_prompt  # pylint: disable=g-import-not-at-top
-    return len(render_prompt(self._tokenizer, text))
+    return len(templates.render_prompt(self._tokenizer, text))
 
   def _apply_length_policy(self, ex: dict) -> dict | None:
     """Returns the example (maybe truncated) or None if filtered."""
@@ -556,7 +716,7 @@ class PromptIterator:
     if too_long_chars:
       prompt = prompt[:cfg.max_prompt_chars]
     if cfg.max_prompt_tokens:
-      ids = self._tokenizer.encode(prompt, add_special_tokens=False)
+      ids = templates.encode_plain(self._tokenizer, prompt)
       keep = len(ids) - max(0, self._token_len(prompt) - cfg.max_prompt_tokens)
       while keep > 0:  # the chat template adds a fixed overhead
         prompt = self._tokenizer.decode(ids[:keep])
@@ -641,6 +801,7 @@ def make_prompt_iterator(
     process_count: int | None = None,
     seed: int | None = None,
     tokenizer=None,
+    templates_config: ml_collections.ConfigDict | None = None,
 ) -> PromptIterator:
   """Builds this host's resumable iterator of prompt batches.
 
@@ -651,7 +812,12 @@ def make_prompt_iterator(
     process_index / process_count: this host's shard; default
       ``jax.process_index()`` / ``jax.process_count()``.
     seed: overrides ``data_config.shuffle_seed`` when given.
-    tokenizer: needed only for ``max_prompt_tokens``.
+    tokenizer: needed for ``max_prompt_tokens``, and for the special-text
+      check: with it, a file record whose text holds one of
+      ``templates.forbidden_texts(tokenizer, templates_config)`` is refused
+      at load, naming file:line (``data.special_text``).
+    templates_config: ``config.templates`` (its markers); default: the
+      default templates of the style the tokenizer goes with.
 
   Returns:
     A ``PromptIterator``: ``next(it)`` is a list of ``batch_size`` example
@@ -667,21 +833,31 @@ def make_prompt_iterator(
              else dict(data_config))
   if seed is not None:
     cfg.shuffle_seed = int(seed)
+  forbidden = ()
+  if tokenizer is not None:
+    if templates_config is None:
+      templates_config = templates.inferred_template_config(tokenizer)
+    forbidden = templates.forbidden_texts(tokenizer, templates_config)
+  elif templates_config is not None:
+    forbidden = templates.forbidden_texts(None, templates_config)
   ds, counts = build_dataset(cfg, process_index=process_index,
-                             process_count=process_count)
+                             process_count=process_count, forbidden=forbidden)
   return PromptIterator(
       ds, cfg, batch_size=batch_size, tokenizer=tokenizer,
       malformed_skipped=counts["malformed_skipped"],
       held_out_excluded=counts["held_out_excluded"],
-      fingerprint=_fingerprint(cfg, process_index, process_count, batch_size),
+      fingerprint=_fingerprint(cfg, process_index, process_count, batch_size,
+                               _stream_changes(cfg, counts)),
       fingerprint_fields=_fingerprint_fields(cfg, process_index, process_count,
-                                             batch_size))
+                                             batch_size, _stream_changes(cfg, counts)))
 
 
 def held_out_examples(data_config, num_prompts: int, *, process_index: int = 0,
-                      process_count: int = 1) -> list:
+                      process_count: int = 1, tokenizer=None, templates_config=None) -> list:
   """This host's share of the fixed held-out set (the eval split, unshuffled):
-  ``num_prompts`` (``train.eval_prompts``) examples in all.
+  ``num_prompts`` (``train.eval_prompts``) examples in all. With ``tokenizer``
+  (and ``templates_config``) its records get the load-time text checks of
+  :func:`make_prompt_iterator`.
 
   A procedural held-out set holds ``train.eval_prompts`` *distinct* problems:
   drawing by index repeats the problems of a small part of the space (the 1-digit
@@ -700,8 +876,8 @@ def held_out_examples(data_config, num_prompts: int, *, process_index: int = 0,
   if dc.source == "procedural":
     dc.num_examples = 8 * n
     unique: dict = {}
-    for batch in make_prompt_iterator(dc, batch_size=n, process_index=0,
-                                               process_count=1):
+    for batch in make_prompt_iterator(dc, batch_size=n, process_index=0, process_count=1,
+                                      tokenizer=tokenizer, templates_config=templates_config):
       for ex in batch:
         unique.setdefault(ex["prompt"], ex)
       if len(unique) >= n:
@@ -713,7 +889,8 @@ def held_out_examples(data_config, num_prompts: int, *, process_index: int = 0,
     share = len(examples) // process_count
     return examples[process_index * share:(process_index + 1) * share]
   it = make_prompt_iterator(dc, batch_size=max(n // process_count, 1),
-                                     process_index=process_index, process_count=process_count)
+                            process_index=process_index, process_count=process_count,
+                            tokenizer=tokenizer, templates_config=templates_config)
   try:
     return list(next(it))
   except StopIteration:

@@ -16,6 +16,26 @@ template, the text becomes one user message and ``apply_chat_template(...,
 add_generation_prompt=True)`` is used; otherwise the text is encoded as is
 (``add_special_tokens=False``).
 
+**Plain text** (issue 23): special tokens come only from templates. A
+prompt, a response, a feedback (and the system prompt) are *fields*; the
+template strings and the chat template around them are *template text*. A
+rendered prompt is a list of pieces (:class:`Piece`) and :func:`encode_pieces`
+gives a special token id only to a special-token text (any added token of the
+tokenizer, special or not: ``<eos>``, ``<EF>``, ``<|im_end|>``, ``<think>``)
+that lies inside template text; the same characters in a field are encoded as
+the plain characters they are (:func:`encode_plain`), so a prompt holding
+``<|im_end|><|im_start|>assistant`` cannot forge a chat turn, a response
+holding ``</EF>`` cannot close the FCP brackets, and a feedback holding
+``<eos>`` does not end anything. When no field holds such text, the ids are
+exactly ``tokenizer.encode(text, add_special_tokens=False)`` of the rendered
+text, as before.
+
+The data loader also refuses, at load, a record whose text holds such a
+marker (:func:`forbidden_texts`: the tokenizer's added tokens, the tags the
+templates use, and the style's delimiters, ``templates.markers``), naming
+``file:line``; ``data.special_text="escape"`` keeps the record instead (its
+text is then encoded as plain characters) with a warning.
+
 **Prompt-token budget policy** (``max_prompt_tokens``; the problem is never
 cut):
 
@@ -43,7 +63,11 @@ policy above. FCP cuts only the feedback.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import string
 from typing import Callable, NamedTuple, Sequence
+import weakref
 
 import ml_collections
 
@@ -85,6 +109,14 @@ AGGREGATED_TEMPLATES = {
         ),
     },
 }
+
+
+# Delimiters of each style's templates that are ordinary characters (not
+# tokens): a record holding one could forge the structure of a FAP
+# (``templates.markers="auto"``; the tags such as ``<EF>`` are found in the
+# templates themselves).
+STYLE_MARKERS = {"compact": ("|",), "verbose": ()}
+_TAG = re.compile(r"</?[A-Za-z][A-Za-z0-9_]*>")  # "<EF>", "</EF>" in a template
 
 
 class PromptTooLongError(ValueError):
@@ -135,7 +167,246 @@ def default_template_config() -> ml_collections.ConfigDict:
       "system_prompt": "",  # chat-template path only; "" = no system turn
       # Extra kwargs for apply_chat_template, e.g. {"enable_thinking": False}.
       "chat_template_kwargs": ml_collections.ConfigDict(),
+      # Text a data record may not hold (besides the tokenizer's special-token
+      # texts and the tags of the templates, always checked): "auto" = the
+      # style's delimiters (STYLE_MARKERS: compact "|", verbose none), or a
+      # whitespace-separated list, "" = none. See data.special_text.
+      "markers": "auto",
   })
+
+
+# ---------------------------------------------------------------------------
+# Plain-text encoding: special tokens only from template text.
+
+
+class Piece(NamedTuple):
+  """One piece of a rendered prompt: template text (its special-token texts
+  become special tokens) or a field (always plain text)."""
+
+  text: str
+  template: bool
+
+
+def _field(text: str) -> Piece:
+  return Piece(str(text), False)
+
+
+def _tmpl(text: str) -> Piece:
+  return Piece(text, True)
+
+
+class _TokenizerInfo:
+  """What plain-text encoding needs to know about one tokenizer (cached)."""
+
+  def __init__(self, tokenizer):
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    contents = {}
+    for i, tok in decoder.items():
+      text = getattr(tok, "content", str(tok))
+      if text:
+        contents[text] = int(i)
+    for text in getattr(tokenizer, "all_special_tokens", ()) or ():
+      if text and text not in contents:
+        tid = tokenizer.convert_tokens_to_ids(text)
+        if tid is not None:
+          contents[text] = int(tid)
+    self.ids = contents  # special-token text -> id
+    self.id_set = frozenset(contents.values())
+    texts = sorted(contents, key=lambda t: (-len(t), t))  # longest first
+    self.pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+    self._tokenizer = weakref.ref(tokenizer) if _weakrefable(tokenizer) else lambda: tokenizer
+    self._plain_backend = None
+    self._plain_backend_made = False
+
+  @property
+  def plain_backend(self):
+    """Built on first need (a copy of a large vocabulary takes a second)."""
+    if not self._plain_backend_made:
+      self._plain_backend = _plain_backend(self._tokenizer())
+      self._plain_backend_made = True
+    return self._plain_backend
+
+
+def _weakrefable(obj) -> bool:
+  try:
+    weakref.ref(obj)
+    return True
+  except TypeError:
+    return False
+
+
+def _plain_backend(tokenizer):
+  """A copy of the fast tokenizer's backend that never matches an added token
+  (all of them marked special, special tokens encoded as text), or None."""
+  backend = getattr(tokenizer, "backend_tokenizer", None)
+  if backend is None:
+    return None
+  try:
+    from tokenizers import Tokenizer  # pylint: disable=g-import-not-at-top
+    spec = json.loads(backend.to_str())
+    for tok in spec.get("added_tokens") or ():
+      tok["special"] = True
+    plain = Tokenizer.from_str(json.dumps(spec))
+    plain.encode_special_tokens = True
+    return plain
+  except Exception:  # pylint: disable=broad-except
+    return None  # the slower splitting path below still keeps text plain
+
+
+_INFO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_INFO_BY_ID: dict = {}
+
+
+def _info(tokenizer) -> _TokenizerInfo:
+  try:
+    info = _INFO.get(tokenizer)
+    if info is None:
+      info = _INFO[tokenizer] = _TokenizerInfo(tokenizer)
+    return info
+  except TypeError:  # not weak-referenceable
+    key = id(tokenizer)
+    if key not in _INFO_BY_ID:
+      _INFO_BY_ID[key] = (tokenizer, _TokenizerInfo(tokenizer))
+    return _INFO_BY_ID[key][1]
+
+
+def special_texts(tokenizer) -> tuple[str, ...]:
+  """The texts that the tokenizer turns into one added token (special or
+  not), longest first: ``<pad> <bos> <eos> <unk> <EF> </EF>`` for the
+  character tokenizer, ``<|im_start|> <|im_end|> <think> ...`` for Qwen."""
+  return tuple(sorted(_info(tokenizer).ids, key=lambda t: (-len(t), t)))
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+  """Ids of ``text`` as plain text: never an added token, even where the
+  text spells one (``"<eos>"`` is five characters, not EOS).
+
+  For text without special-token text the ids equal
+  ``tokenizer.encode(text, add_special_tokens=False)``.
+
+  Raises:
+    ValueError: the tokenizer still produced an added token (never silent).
+  """
+  info = _info(tokenizer)
+  if not text:
+    return []
+  ids = None
+  if info.pattern is None or not info.pattern.search(text):
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if not any(i in info.id_set for i in ids):
+      return ids  # the common case: nothing to keep out
+  if info.plain_backend is not None:
+    ids = list(info.plain_backend.encode(text, add_special_tokens=False).ids)
+  elif info.pattern is not None:  # cut every occurrence after its first character
+    cuts = sorted({m.start() + 1 for m in _overlapping(info.pattern, text)})
+    parts = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+    ids = [i for part in parts if part
+           for i in tokenizer.encode(part, add_special_tokens=False)]
+  bad = [i for i in ids if i in info.id_set]
+  if bad:
+    raise ValueError(
+        f"encoding {text[:80]!r} as plain text still gave special token id(s) "
+        f"{bad[:5]}; this tokenizer cannot keep special tokens out of data text")
+  return ids
+
+
+def _overlapping(pattern: re.Pattern, text: str):
+  pos = 0
+  while True:
+    m = pattern.search(text, pos)
+    if m is None:
+      return
+    yield m
+    pos = m.start() + 1
+
+
+def encode_pieces(tokenizer, pieces: Sequence[Piece]) -> list[int]:
+  """Token ids of a rendered prompt: special tokens only from template text.
+
+  Special-token texts inside a template piece become their ids; every other
+  character (the rest of the template text and all of every field) is encoded
+  as plain text. When every special-token text of the joined string lies
+  inside a template piece (no field holds or completes one), this is exactly
+  ``tokenizer.encode("".join(texts), add_special_tokens=False)``.
+  """
+  info = _info(tokenizer)
+  text = "".join(p.text for p in pieces)
+  if info.pattern is None:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+  allowed, pos = [], 0  # (start, end) of the markers inside template pieces
+  for p in pieces:
+    if p.template:
+      allowed += [(pos + m.start(), pos + m.end()) for m in info.pattern.finditer(p.text)]
+    pos += len(p.text)
+  found = [(m.start(), m.end()) for m in info.pattern.finditer(text)]
+  if found == allowed:  # the common case: the tokenizer sees what we mean
+    ids = list(tokenizer.encode(text, add_special_tokens=False)) if text else []
+    if sum(i in info.id_set for i in ids) == len(allowed):
+      return ids
+  out, pos = [], 0
+  for start, end in allowed + [(len(text), len(text))]:
+    out += encode_plain(tokenizer, text[pos:start])
+    if end > start:
+      out.append(info.ids[text[start:end]])
+    pos = end
+  return out
+
+
+def template_markers(config: ml_collections.ConfigDict | None = None
+                     ) -> tuple[str, ...]:
+  """Marker texts of the configured templates that a record may not hold:
+  the tags they use (``<EF>``, ``</EF>``) and the style's delimiters
+  (``templates.markers``; "auto" = ``STYLE_MARKERS[style]``)."""
+  cfg = config if config is not None else default_template_config()
+  style = cfg.get("style", "compact")
+  agg = AGGREGATED_TEMPLATES.get(style, AGGREGATED_TEMPLATES["compact"])
+  texts = [cfg.get("fap") or FAP_TEMPLATES.get(style, ""),
+           cfg.get("aggregated_header") or agg["header"],
+           cfg.get("aggregated_attempt") or agg["attempt"],
+           cfg.get("aggregated_footer") or agg["footer"],
+           cfg.get("fcp", FCP_TEMPLATE)]
+  tags = [t for x in texts for t in _TAG.findall(x)]
+  chosen = cfg.get("markers", "auto")
+  if chosen == "auto":
+    extra = list(STYLE_MARKERS.get(style, ()))
+  else:
+    extra = str(chosen).split()
+  return tuple(dict.fromkeys(tags + extra))
+
+
+def forbidden_texts(tokenizer=None, config: ml_collections.ConfigDict | None = None
+                    ) -> tuple[str, ...]:
+  """Every text a data record may not hold (refused or escaped at load, see
+  ``data.special_text``): the tokenizer's special-token texts (none without
+  a tokenizer) and :func:`template_markers`. Longest first."""
+  texts = list(special_texts(tokenizer)) if tokenizer is not None else []
+  texts += template_markers(config)
+  return tuple(sorted(dict.fromkeys(t for t in texts if t), key=lambda t: (-len(t), t)))
+
+
+def find_forbidden(text: str, forbidden: Sequence[str]) -> str | None:
+  """The first of ``forbidden`` that ``text`` holds, or None."""
+  for marker in forbidden:
+    if marker in text:
+      return marker
+  return None
+
+
+def inferred_template_config(tokenizer) -> ml_collections.ConfigDict:
+  """The default template config of the style a tokenizer is paired with
+  (``tokenizer.check_tokenizer_compat``: a chat template goes with "verbose",
+  none with "compact")."""
+  cfg = default_template_config()
+  if getattr(tokenizer, "chat_template", None):
+    cfg.style = "verbose"
+  return cfg
+
+
+# ---------------------------------------------------------------------------
+# Rendering.
+
+_SENTINEL = "FBOSfield{}x7Q"  # stands for a field while the chat template renders
+_CHAT_SPLITS: dict = {}  # (chat template, system?, ...) -> its text around the fields
 
 
 def render_text(tokenizer, text: str, *, system_prompt: str = "",
@@ -151,22 +422,89 @@ def render_text(tokenizer, text: str, *, system_prompt: str = "",
   return text
 
 
+def _split_at(rendered: str, sentinel: str, what: str) -> tuple[str, str]:
+  if rendered.count(sentinel) != 1:
+    raise ValueError(
+        f"the tokenizer's chat template does not copy the {what} verbatim into "
+        "the prompt, so the prompt text cannot be kept apart from the "
+        "template's special tokens; use a chat template that inserts "
+        "message['content'] as is")
+  head, tail = rendered.split(sentinel)
+  return head, tail
+
+
+def render_pieces(tokenizer, pieces: Sequence[Piece], *, system_prompt: str = "",
+                  chat_template_kwargs: dict | None = None,
+                  add_bos: bool = False) -> list[Piece]:
+  """The pieces of the exact string that gets tokenized (chat template
+  around ``pieces`` when the tokenizer has one, else ``pieces`` with BOS)."""
+  pieces = list(pieces)
+  if not getattr(tokenizer, "chat_template", None):
+    if add_bos and tokenizer.bos_token_id is not None:
+      return [Piece(tokenizer.bos_token, True)] + pieces
+    return pieces
+  user = "".join(p.text for p in pieces)
+  key = (tokenizer.chat_template, bool(system_prompt), getattr(tokenizer, "bos_token", None),
+         getattr(tokenizer, "eos_token", None),
+         json.dumps(chat_template_kwargs or {}, sort_keys=True, default=str))
+  if key not in _CHAT_SPLITS:
+    s_sys, s_user = _SENTINEL.format(0), _SENTINEL.format(1)
+    rendered = render_text(tokenizer, s_user, system_prompt=s_sys if system_prompt else "",
+                           chat_template_kwargs=chat_template_kwargs)
+    head, tail = _split_at(rendered, s_user, "user message")
+    before, after = _split_at(head, s_sys, "system prompt") if system_prompt else (head, "")
+    if len(_CHAT_SPLITS) > 64:
+      _CHAT_SPLITS.clear()
+    _CHAT_SPLITS[key] = (before, after, tail)
+  before, after, tail = _CHAT_SPLITS[key]
+  out = [_tmpl(before)]
+  if system_prompt:
+    out += [_field(system_prompt), _tmpl(after)]
+  real = render_text(tokenizer, user, system_prompt=system_prompt,
+                     chat_template_kwargs=chat_template_kwargs)
+  if real != "".join(p.text for p in out) + user + tail:
+    raise ValueError(
+        "the tokenizer's chat template changes the user message (e.g. strips "
+        "it), so the prompt text cannot be kept apart from the template's "
+        "special tokens; use a chat template that inserts message['content'] "
+        "as is")
+  return out + pieces + [_tmpl(tail)]
+
+
 def render_prompt(tokenizer, text: str, *, system_prompt: str = "",
                   chat_template_kwargs: dict | None = None,
                   add_bos: bool = False) -> list[int]:
   """Token ids of prompt ``text`` (chat template if the tokenizer has one).
 
+  ``text`` is plain text (a field, see the module doc): special-token text
+  in it stays characters.
+
   Returns:
     [T] token ids, without special tokens other than those the chat template
     writes itself (and BOS if ``add_bos`` on the plain-text path).
   """
-  chat = bool(getattr(tokenizer, "chat_template", None))
-  s = render_text(tokenizer, text, system_prompt=system_prompt,
-                  chat_template_kwargs=chat_template_kwargs)
-  ids = list(tokenizer.encode(s, add_special_tokens=False))
-  if add_bos and not chat and tokenizer.bos_token_id is not None:
-    ids = [tokenizer.bos_token_id] + ids
-  return ids
+  return encode_pieces(tokenizer, render_pieces(
+      tokenizer, [_field(text)], system_prompt=system_prompt,
+      chat_template_kwargs=chat_template_kwargs, add_bos=add_bos))
+
+
+def format_pieces(template: str, **fields) -> list[Piece]:
+  """``template.format(**fields)`` as pieces: the template's literal text is
+  template text, each substituted value a field."""
+  out = []
+  for literal, name, spec, conv in string.Formatter().parse(template):
+    if literal:
+      out.append(_tmpl(literal))
+    if name is not None:
+      value = fields[name]
+      if conv:
+        value = {"r": repr, "s": str, "a": ascii}[conv](value)
+      out.append(_field(format(value, spec) if spec else str(value)))
+  return out
+
+
+def _join(pieces: Sequence[Piece]) -> str:
+  return "".join(p.text for p in pieces)
 
 
 def _format_score(score: float) -> str:
@@ -207,8 +545,17 @@ class PromptBuilder:
   # -- helpers -------------------------------------------------------------
 
   def encode(self, text: str) -> list[int]:
-    """``render_prompt`` with this builder's chat settings."""
-    return render_prompt(self.tokenizer, text, **self._render_kwargs)
+    """``render_prompt`` with this builder's chat settings (``text`` is plain)."""
+    return self.encode_pieces([_field(text)])
+
+  def encode_pieces(self, pieces: Sequence[Piece]) -> list[int]:
+    """Ids of prompt ``pieces`` (template text and fields, see the module
+    doc) inside this builder's chat template."""
+    return encode_pieces(self.tokenizer, render_pieces(
+        self.tokenizer, pieces, **self._render_kwargs))
+
+  def _plain_ids(self, text: str) -> list[int]:
+    return encode_plain(self.tokenizer, text)
 
   def _cut(self, ids: list[int], keep: int, side: str) -> str:
     """Text of ``keep`` of the tokens ``ids``, cut on ``side``."""
@@ -223,33 +570,33 @@ class PromptBuilder:
       return self.ellipsis + dec(ids[len(ids) - keep:] if keep else [])
     return dec(ids[:keep]) + self.ellipsis  # "right": keep the head
 
-  def _largest_fit(self, render: Callable[[str], str], piece: str,
+  def _largest_fit(self, render: Callable[[str], list[Piece]], piece: str,
                    side: str) -> tuple[str, list[int]] | None:
     """Cuts ``piece`` to the most tokens with which ``render(piece)`` fits.
 
     Binary search over the kept token count; returns (text, ids) or None if
     even the fully cut piece does not fit.
     """
-    ids = list(self.tokenizer.encode(piece, add_special_tokens=False))
+    ids = self._plain_ids(piece)
     best = None
     lo, hi = 0, len(ids)
     while lo <= hi:
       mid = (lo + hi) // 2
-      text = render(self._cut(ids, mid, side))
-      tok = self.encode(text)
+      pieces = render(self._cut(ids, mid, side))
+      tok = self.encode_pieces(pieces)
       if len(tok) <= self.max_prompt_tokens:
-        best, lo = (text, tok), mid + 1
+        best, lo = (_join(pieces), tok), mid + 1
       else:
         hi = mid - 1
     return best
 
-  def _fit(self, render: Callable[[str, str], str], response: str,
+  def _fit(self, render: Callable[[str, str], list[Piece]], response: str,
            feedback: str) -> tuple[str, list[int], bool]:
     """Applies the budget policy (module doc) to ``render(response, feedback)``."""
-    text = render(response, feedback)
-    ids = self.encode(text)
+    pieces = render(response, feedback)
+    ids = self.encode_pieces(pieces)
     if len(ids) <= self.max_prompt_tokens:
-      return text, ids, False
+      return _join(pieces), ids, False
     if self.truncation == "error":
       raise PromptTooLongError(
           f"prompt has {len(ids)} tokens > max_prompt_tokens="
@@ -267,7 +614,7 @@ class PromptBuilder:
     raise PromptTooLongError(
         f"the problem and template alone exceed max_prompt_tokens="
         f"{self.max_prompt_tokens}: "
-        f"{len(self.encode(render(no_response, '')))} tokens")
+        f"{len(self.encode_pieces(render(no_response, '')))} tokens")
 
   # -- budget bound --------------------------------------------------------
 
@@ -302,7 +649,7 @@ class PromptBuilder:
       chars = prompt_chars + feedback_chars
     else:
       raise ValueError(f"prompt kind {kind!r}; expected fap | aggregated | fcp")
-    return len(self.encode(fixed)) + chars
+    return len(self.encode_pieces([_tmpl(fixed)] if fixed else [])) + chars
 
   # -- prompt kinds --------------------------------------------------------
 
@@ -317,14 +664,14 @@ class PromptBuilder:
 
   def fap(self, prompt: str, response: str, feedback: str) -> Prompt:
     """FBOS feedback-augmented prompt FAP(q, o, F)."""
-    render = lambda r, f: self.fap_template.format(
-        prompt=prompt, response=r, feedback=f)
+    render = lambda r, f: format_pieces(
+        self.fap_template, prompt=prompt, response=r, feedback=f)
     text, ids, cut = self._fit(render, response, feedback)
     return Prompt(text, ids, cut)
 
   def fcp(self, prompt: str, feedback: str) -> Prompt:
     """FCP feedback-conditioned prompt ``<EF>c</EF>q`` (cuts only c)."""
-    render = lambda _, f: self.fcp_template.format(prompt=prompt, feedback=f)
+    render = lambda _, f: format_pieces(self.fcp_template, prompt=prompt, feedback=f)
     text, ids, cut = self._fit(render, "", feedback)
     return Prompt(text, ids, cut)
 
@@ -348,28 +695,29 @@ class PromptBuilder:
           seen.add(a.response)
           unique.append(a)
       atts = unique
-    lengths = [len(self.tokenizer.encode(a.response, add_special_tokens=False))
-               for a in atts]
+    lengths = [len(self._plain_ids(a.response)) for a in atts]
     order = sorted(range(len(atts)), key=lambda i: (lengths[i], i))
-    head = self.agg_header.format(prompt=prompt)
-    foot = self.agg_footer.format(prompt=prompt)
-    block = lambda k, a, r, f: self.agg_attempt.format(
-        index=k, score=_format_score(a.score), response=r, feedback=f)
+    head = format_pieces(self.agg_header, prompt=prompt)
+    foot = format_pieces(self.agg_footer, prompt=prompt)
+    block = lambda k, a, r, f: format_pieces(
+        self.agg_attempt, index=k, score=_format_score(a.score), response=r,
+        feedback=f)
 
-    blocks: list[str] = []
+    blocks: list[list[Piece]] = []
+    flat = lambda bs: [p for b in bs for p in b]
     for i in order:
       cand = blocks + [block(len(blocks) + 1, atts[i], atts[i].response,
                              atts[i].feedback)]
-      if len(self.encode(head + "".join(cand) + foot)) <= self.max_prompt_tokens:
+      if len(self.encode_pieces(head + flat(cand) + foot)) <= self.max_prompt_tokens:
         blocks = cand
     if blocks or not atts:
-      text = head + "".join(blocks) + foot
-      ids = self.encode(text)
+      pieces = head + flat(blocks) + foot
+      ids = self.encode_pieces(pieces)
       if len(ids) > self.max_prompt_tokens:
         raise PromptTooLongError(
             f"aggregated prompt header+footer has {len(ids)} tokens > "
             f"max_prompt_tokens={self.max_prompt_tokens}")
-      return Prompt(text, ids, False, len(blocks))
+      return Prompt(_join(pieces), ids, False, len(blocks))
     a = atts[order[0]]  # nothing fits whole: cut the shortest attempt
     render = lambda r, f: head + block(1, a, r, f) + foot
     text, ids, _ = self._fit(render, a.response, a.feedback)

@@ -111,3 +111,91 @@ def test_without_namespaces_the_sandbox_refuses_to_run(monkeypatch):
   # Running unconfined is an explicit choice.
   unconfined = Sandbox(LIMITS, isolation="none")
   assert unconfined.run("print('ok')").stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------- round two (issue 23)
+
+
+@pytest.fixture
+def protected(monkeypatch):
+  """A clean registry of protected paths (restored afterwards)."""
+  monkeypatch.setattr(sandbox_lib, "_protected", set())
+  monkeypatch.setenv(sandbox_lib.PROTECTED_ENV, "")
+  return sandbox_lib
+
+
+@pytest.fixture
+def usr_dataset():
+  """A dataset under /usr/local/share (as Docker images put data under /usr)."""
+  d = tempfile.mkdtemp(prefix="fbos_probe_", dir="/usr/local/share")
+  os.chmod(d, 0o755)
+  path = os.path.join(d, "train.jsonl")
+  with open(path, "w") as f:
+    f.write('{"prompt": "p", "answer": "usr secret", "tests": []}\n')
+  os.chmod(path, 0o644)
+  yield path
+  shutil.rmtree(d, ignore_errors=True)
+
+
+def test_dataset_under_usr_is_invisible_and_usr_is_not_exposed(sandbox, usr_dataset):
+  r = sandbox.run(_PROBE.format(paths=[usr_dataset], dirs=["/usr", "/usr/local"]))
+  assert r.status == "ok", r
+  assert "LEAK" not in r.stdout and f"DENIED {usr_dataset}" in r.stdout, r.stdout
+  r = sandbox.run("import os\nprint(sorted(os.listdir('/usr')))\n"
+                  "print([p for p in ('/usr/share', '/usr/local', '/usr/include', '/usr/src', "
+                  "'/usr/sbin') if os.path.exists(p)])")
+  listing, present = r.stdout.splitlines()
+  assert "share" not in listing and "local" not in listing, listing
+  assert present == "[]", present
+  # The code verifier: a "solution" that reads its own dataset under /usr gets nothing.
+  cheat = f"print(open({usr_dataset!r}).read().split('usr secret')[0] and 'usr secret')"
+  v = get_verifier("code", wall_s=3, cpu_s=2, sandbox=sandbox)(
+      {"tests": [{"input": "", "output": "usr secret"}]}, cheat)
+  assert v.reward == 0.0 and "FileNotFoundError" in v.feedback
+
+
+def test_sandbox_fails_closed_when_a_protected_path_would_be_visible(protected, tmp_path):
+  stdlib = os.path.dirname(os.__file__)  # exposed: the interpreter needs it
+  inside = os.path.join(stdlib, "fbos_dataset.jsonl")
+  protected.protect_path(inside)
+  sb = Sandbox(LIMITS)
+  with pytest.raises(SandboxError, match="fbos_dataset.jsonl") as e:
+    sb.run("print('ran')")
+  assert "protected" in str(e.value)
+  # The data loader declares its files (and their directory), the console the workdir.
+  from fbos_jax import console
+  from fbos_jax import data
+  protected._protected.clear()
+  os.environ[protected.PROTECTED_ENV] = ""
+  ds = tmp_path / "d" / "train.jsonl"
+  ds.parent.mkdir()
+  ds.write_text('{"prompt": "p", "answer": "1"}\n')
+  cfg = data.default_data_config()
+  cfg.update(dict(source="jsonl", path=str(ds), verifier="math"))
+  data.load_records(cfg)
+  console.setup_logging(str(tmp_path / "workdir"))
+  console.teardown_logging()
+  assert {str(ds), str(ds.parent), str(tmp_path / "workdir")} <= set(protected.protected_paths())
+  assert Sandbox(LIMITS).run("print('ran')").stdout.strip() == "ran"  # hidden: runs
+
+
+def test_seccomp_denies_new_namespaces_and_mounts(sandbox):
+  import platform
+  if platform.machine() not in ("x86_64", "aarch64"):
+    pytest.skip("no seccomp syscall table for this architecture")
+  r = sandbox.run(
+      "import ctypes, os, threading, subprocess\n"
+      "libc = ctypes.CDLL(None, use_errno=True)\n"
+      "rc = libc.unshare(0x10000000 | 0x00020000)  # CLONE_NEWUSER | CLONE_NEWNS\n"
+      "print('unshare', rc, ctypes.get_errno())\n"
+      "rc = libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)\n"
+      "print('mount', rc, ctypes.get_errno())\n"
+      "t = threading.Thread(target=lambda: print('thread ok')); t.start(); t.join()\n"
+      "print(subprocess.run(['echo', 'child ok'], capture_output=True, text=True).stdout.strip())\n"
+      "pid = os.fork()\n"
+      "if pid == 0:\n    os._exit(7)\n"
+      "print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n")
+  assert r.status == "ok", r
+  assert r.stdout.splitlines() == ["unshare -1 1", "mount -1 1", "thread ok", "child ok",
+                                   "fork 7"], r.stdout
+  assert sandbox.capabilities()["seccomp"]

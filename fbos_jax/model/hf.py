@@ -522,14 +522,36 @@ class _Reader:
                             "(F32, BF16, F16 or F64).")
 
   def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+    """The block ``index`` of tensor ``name``; raises ``CheckpointError`` naming
+    the tensor when it holds a NaN or an infinity."""
     path = self.file_of(name)
     try:
-      return np.asarray(self._handles[path].get_slice(name)[index])
+      block = np.asarray(self._handles[path].get_slice(name)[index])
     except Exception as e:
       raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from None
+    _check_finite(block, f"{path}: tensor {name!r}", index)
+    return block
 
   def close(self):
     self._handles.clear()
+
+
+def _check_finite(block: np.ndarray, what: str, index: tuple = (), note: str = "") -> None:
+  """Raises ``CheckpointError`` when ``block`` (part ``index`` of a tensor)
+  holds a NaN or an infinity: a model with one decodes garbage or crashes far
+  from here (issue 23: ``OverflowError ... 'ids'`` in decode)."""
+  finite = np.isfinite(block)
+  if finite.all():
+    return
+  bad = np.argwhere(~finite)
+  first = tuple(int(i) for i in bad[0])
+  offset = tuple((s.start or 0) if isinstance(s, slice) else 0 for s in index)
+  first = tuple(f + (offset[d] if d < len(offset) else 0) for d, f in enumerate(first))
+  value = block[tuple(bad[0])]
+  raise CheckpointError(
+      f"{what} holds {len(bad)} non-finite value(s) (NaN or inf), the first {value!r} at "
+      f"index {list(first)}{note}; the checkpoint is damaged or was saved from a diverged "
+      "run, and a model with such a weight gives NaN logits. Use another checkpoint.")
 
 
 def _ranges(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -573,12 +595,19 @@ def _load_param(reader: _Reader, tm: _TensorMap, cfg: ModelConfig, sharding, dty
   def read_block(index) -> np.ndarray:
     rng = _ranges(index, shape)
     out = np.empty([b - a for a, b in rng], np_dtype)
+    cast = (f" (of the loaded shard, after the cast to {np_dtype.name}: the stored values "
+            f"are finite but overflow {np_dtype.name}; load with a wider model.param_dtype)")
     if tm.stacked:  # one HF tensor per layer, written into place (no stacked copy)
       (l0, l1), rest = rng[0], rng[1:]
       for i in range(l0, l1):
-        out[i - l0] = _read_layer_block(reader, tm, names[i], rest)
+        with np.errstate(over="ignore"):  # an overflow is reported just below
+          out[i - l0] = _read_layer_block(reader, tm, names[i], rest)
+        _check_finite(out[i - l0], f"{reader.file_of(names[i])}: tensor {names[i]!r}",
+                      note=cast)
     else:
-      out[...] = _read_layer_block(reader, tm, names[0], rng)
+      with np.errstate(over="ignore"):
+        out[...] = _read_layer_block(reader, tm, names[0], rng)
+      _check_finite(out, f"{reader.file_of(names[0])}: tensor {names[0]!r}", note=cast)
     return out
 
   # Group devices by the (identical) slice they hold so each slice is read once, then

@@ -432,11 +432,41 @@ def _validate_rest(config, errs):
   if not (0 <= o.b1 < 1 and 0 <= o.b2 < 1):
     errs.append(f"optim.b1={o.b1}, optim.b2={o.b2}: must be in [0, 1)")
   _choice(errs, "verifier.backend", v.backend, ("thread", "process"))
-  lo, hi = (tuple(v.reward_range) + (None, None))[:2]
-  if not (isinstance(lo, (int, float)) and isinstance(hi, (int, float))
-          and math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-    errs.append(f"verifier.reward_range={tuple(v.reward_range)!r}: must be two finite "
-                "numbers lo < hi")
+  # verifier.reward_range: two numbers lo < hi that float32 holds (|bound| < 3e38, as
+  # VerifierPool checks; rewards are float32 on the device), with a spread that keeps the
+  # advantages' variance finite: the kernels sum (r - mean)^2 over up to N rewards of a
+  # step (batch_std pools them all; N = prompts_per_step * group_size, x2 with round 2),
+  # at most N * (hi - lo)^2 / 4, and past float32's largest value that sum is inf and
+  # every advantage silently 0.
+  f32_max, bound = 3.4028234663852886e38, 3.0e38
+  rr = v.reward_range
+  pair = tuple(rr) if isinstance(rr, (tuple, list)) else ()
+  field = f"verifier.reward_range={pair if pair else rr!r}"
+  lo = hi = None
+  if len(pair) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                               for x in pair):
+    errs.append(f"{field}: must be a pair of numbers (lo, hi)")
+  elif not all(math.isfinite(x) for x in pair):
+    errs.append(f"{field}: both bounds must be finite numbers")
+  elif not pair[0] < pair[1]:
+    errs.append(f"{field}: must have lo < hi")
+  elif max(abs(pair[0]), abs(pair[1])) >= bound:
+    errs.append(f"{field}: each bound must satisfy |bound| < {bound:g} (rewards are float32 "
+                f"on the device; its largest value is {f32_max:.3g})")
+  else:
+    lo, hi = float(pair[0]), float(pair[1])
+  rl = config.rl
+  if lo is not None and isinstance(rl.prompts_per_step, int) and isinstance(rl.group_size, int):
+    rounds = 2 if rl.get("round2") else 1
+    n = max(rl.prompts_per_step * rl.group_size * rounds, 1)
+    spread = math.sqrt(4.0 * f32_max / n)
+    if hi - lo >= spread:
+      errs.append(
+          f"{field}: hi - lo = {hi - lo:.3g} must be < {spread:.3g}: the sum of squared "
+          f"deviations of a step's N={n} rewards (rl.prompts_per_step x rl.group_size"
+          f"{' x 2 rounds' if rounds == 2 else ''}), up to N * (hi - lo)^2 / 4, must stay "
+          f"below float32's largest value {f32_max:.3g}, or the advantages' variance is inf "
+          "and every advantage becomes 0")
   _positive(errs, "verifier.timeout_s", v.timeout_s)
   _positive(errs, "verifier.workers", v.workers)
   if not 0 <= config.data.eval_fraction < 1:

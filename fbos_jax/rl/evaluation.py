@@ -70,7 +70,9 @@ def evaluate_checkpoint(config, workdir: str, *, k: int = 1, step: int = -1,
     params, restored = restore_params(config, workdir, step=step, mesh=mesh)
     examples = data_lib.held_out_examples(config.data, config.train.eval_prompts,
                                           process_index=jax.process_index(),
-                                          process_count=jax.process_count())
+                                          process_count=jax.process_count(),
+                                          tokenizer=ctx.tokenizer,
+                                          templates_config=config.templates)
     key = state_lib.stream_key(state_lib.root_rng(ctx.parts.seed), "eval", restored)
     with jax.set_mesh(mesh):
       out = evaluate(ctx, params, examples, key=key, k=k)

@@ -70,7 +70,8 @@ def check_greedy(config, workdir: str, out: str, num_prompts: int, *,
   ctx = RolloutContext.build(config, workdir, with_pool=False, check_budget=False)
   params, _ = restore_params(config, workdir)
   params = jax.tree.map(lambda a: a.astype("float32"), params)
-  examples = data_lib.held_out_examples(config.data, num_prompts)[:num_prompts]
+  examples = data_lib.held_out_examples(config.data, num_prompts, tokenizer=ctx.tokenizer,
+                                        templates_config=config.templates)[:num_prompts]
   prompts = [ctx.prompt_ids(ex) for ex in examples]
   greedy = dataclasses.replace(ctx.parts.sampling.eval, temperature=0.0)
   ours = ctx.sample(params, prompts, 1, state_lib.stream_key(  # greedy: the key is unused

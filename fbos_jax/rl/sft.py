@@ -44,6 +44,7 @@ from fbos_jax import buckets
 from fbos_jax import data as data_lib
 from fbos_jax import sharding as sh
 from fbos_jax import tasks as tasks_lib
+from fbos_jax import templates
 from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import state as state_lib
@@ -111,14 +112,14 @@ def demonstration_rows(ctx, examples, *, conditional: bool, rng: random.Random,
     if i in wrong and w and ok and w[0] < thr and ok[0] >= thr:
       fap = ctx.prompts.fap(ex["prompt"], wrong[i], w[1])
       corr[0].append(fap.token_ids)
-      corr[1].append(ctx.tokenizer.encode(solutions[i], add_special_tokens=False) + [eos])
+      corr[1].append(templates.encode_plain(ctx.tokenizer, solutions[i]) + [eos])
       n_own += int(failures is not None and i < len(failures) and failures[i] is not None)
       n_cut += int(fap.truncated)
       continue
     v = verdict.get((i, texts[i]))
     if v is None or (not conditional and v[0] < thr):
       continue  # only verified demonstrations
-    plain[1].append(ctx.tokenizer.encode(texts[i], add_special_tokens=False) + [eos])
+    plain[1].append(templates.encode_plain(ctx.tokenizer, texts[i]) + [eos])
     if conditional:
       plain[0].append(ctx.prompts.fcp(ex["prompt"],
                                       positive_feedback if v[0] >= thr else v[1]).token_ids)
@@ -198,7 +199,8 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
   it = data_lib.make_prompt_iterator(config.data, batch_size=config.sft.batch_size,
                                      process_index=jax.process_index(),
                                      process_count=jax.process_count(),
-                                     seed=state_lib.host_seed(rng, "sft", 0))
+                                     seed=state_lib.host_seed(rng, "sft", 0),
+                                     tokenizer=ctx.tokenizer, templates_config=config.templates)
   builder = _BatchBuilder(config, ctx, n_corr, rows,
                           random.Random(state_lib.host_seed(rng, "sft", 1)))
   sample_key = state_lib.stream_key(rng, "sft", 2)

@@ -71,10 +71,11 @@ class RLTrainer:
     pi, pc = jax.process_index(), jax.process_count()
     self.train_iter = data_lib.make_prompt_iterator(
         config.data, batch_size=self.parts.rollout.prompts_per_step // pc, process_index=pi,
-        process_count=pc, seed=data_seed(config),
-        tokenizer=self.ctx.tokenizer)
+        process_count=pc, seed=data_seed(config), tokenizer=self.ctx.tokenizer,
+        templates_config=config.templates)
     self.eval_examples = data_lib.held_out_examples(
-        config.data, config.train.eval_prompts, process_index=pi, process_count=pc)
+        config.data, config.train.eval_prompts, process_index=pi, process_count=pc,
+        tokenizer=self.ctx.tokenizer, templates_config=config.templates)
     self._init_params = init_params
     self.allow_config_change = allow_config_change
     self.metrics = metrics_lib.MetricsWriter(workdir, enabled=log_metrics and pi == 0)
@@ -200,7 +201,7 @@ class RLTrainer:
     last_acc = history[0].get("eval/accuracy", float("nan")) if history else float("nan")
     t_loop = time.perf_counter()
     for step in bar:
-      self.ckpt.check()  # an asynchronous save that failed stops the run here
+      self.ckpt.check_errors()  # an asynchronous save that failed stops the run here
       state, m = self.train_step(state, step)
       s = int(state.step)
       if every > 0 and eval_examples and (s % every == 0 or s == steps):
@@ -218,7 +219,6 @@ class RLTrainer:
       if on_step is not None:
         on_step(s, state, m)
     self.ckpt.wait()
-    self.ckpt.check()
     return state, history
 
   def close(self):

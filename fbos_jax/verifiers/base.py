@@ -29,6 +29,14 @@ gets: an explicit ``data.verifier`` applies to every example; only
 A verifier factory (class or function) may declare ``required_fields``, the
 example keys it cannot work without (e.g. ``("answer",)``); the data loader
 refuses records that lack them, naming the file and line.
+
+Answers are strings. A verifier that grades answers of other JSON types says
+so with ``answer_types`` (e.g. ``answer_types = (str, int, list)``): the data
+loader passes such answers through unchanged and refuses any other type,
+naming the file, line and field (nothing is converted: a JSON ``42`` graded
+as the text ``"42"`` would lose ``"0042"``'s zeros, a list would be graded
+against its JSON text). ``bool`` is accepted only when named (not as an
+``int``); a non-finite number (``1e400``) never.
 """
 
 from __future__ import annotations
@@ -60,6 +68,10 @@ ERROR_KINDS = ("exception", "timeout", "bad_return", "crash", "bad_reward",
                "bad_example", "sandbox")
 AUTO = "auto"  # data.verifier: route each example by its own "verifier" key
 DEFAULT_REWARD_RANGE = (-10.0, 10.0)
+DEFAULT_ANSWER_TYPES = (str,)  # what a verifier grades unless it declares more
+# Rewards are float32 on the device (largest value 3.4e38): a reward_range
+# bound must stay below this, with room to spare.
+MAX_ABS_REWARD_BOUND = 3.0e38
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +230,21 @@ def required_fields(name_or_path: str) -> tuple[str, ...]:
   if name_or_path in ("", "none", AUTO):
     return ()
   return tuple(getattr(verifier_factory(name_or_path), "required_fields", ()))
+
+
+def answer_types(name_or_path: str) -> tuple[type, ...]:
+  """The answer types the verifier grades (its factory's ``answer_types``
+  attribute; ``(str,)`` when it declares none, and for "auto")."""
+  if name_or_path in ("", "none", AUTO):
+    return DEFAULT_ANSWER_TYPES
+  declared = getattr(verifier_factory(name_or_path), "answer_types", None)
+  if declared is None:
+    return DEFAULT_ANSWER_TYPES
+  declared = tuple(declared) if isinstance(declared, (tuple, list)) else (declared,)
+  if not declared or not all(isinstance(t, type) for t in declared):
+    raise TypeError(f"verifier {name_or_path!r}: answer_types must be a tuple of "
+                    f"types, got {declared!r}")
+  return declared
 
 
 def get_verifier(name_or_path: str, **kwargs: Any) -> Verifier:
@@ -469,10 +496,14 @@ class VerifierPool:
       lo, hi = (float(x) for x in reward_range)
     except (TypeError, ValueError) as e:
       raise ValueError(f"reward_range must be a pair (lo, hi): {reward_range!r}") from e
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi
-            and max(abs(lo), abs(hi)) < 3.0e38):  # float32 holds the bounds
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
       raise ValueError(
           f"reward_range must be finite with lo < hi: {reward_range!r}")
+    if max(abs(lo), abs(hi)) >= MAX_ABS_REWARD_BOUND:
+      raise ValueError(
+          f"reward_range={reward_range!r}: each bound must satisfy |bound| < "
+          f"{MAX_ABS_REWARD_BOUND:g} (rewards are float32 on the device, whose "
+          "largest value is 3.4e38)")
     if max_abandoned_threads < 0:
       raise ValueError("max_abandoned_threads must be >= 0")
     self.verifier = verifier
