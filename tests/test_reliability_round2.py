@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_configs import load
+from configs import load
 
 from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data
@@ -287,7 +287,7 @@ def test_launchers_choose_the_cpu_quietly_without_an_accelerator():
   if any(glob.glob(p) for p in ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*",
                                  "/dev/kfd")):
     pytest.skip("this machine has an accelerator")
-  code = ("import _common, jax; jax.devices(); "
+  code = ("from fbos_jax import cli; import jax; jax.devices(); "
           "print(jax.default_backend(), jax.config.jax_platforms)")
   out = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "launch"),
                        capture_output=True, text=True, timeout=300, env=_launcher_env())
@@ -298,11 +298,7 @@ def test_launchers_choose_the_cpu_quietly_without_an_accelerator():
 
 
 def test_launchers_leave_real_accelerators_and_explicit_choices_alone(monkeypatch):
-  sys.path.insert(0, os.path.join(ROOT, "launch"))
-  try:
-    import _common
-  finally:
-    sys.path.pop(0)
+  from fbos_jax import cli as _common
   monkeypatch.setattr(_common, "accelerator_attached", lambda: True)
   env = {}
   assert not _common.choose_cpu_platform_without_accelerator(env) and env == {}
