@@ -784,7 +784,8 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
 
 
 def teacher_forced_logprobs(params, cfg: qwen.ModelConfig, prompt_tokens, prompt_mask, tokens,
-                            response_mask, *, temperature: float = 1.0) -> jax.Array:
+                            response_mask, *, temperature: float = 1.0,
+                            vocab_limit: int = 0) -> jax.Array:
   """What the sampler reports, recomputed by one full forward pass on prompt + response:
   ``log_softmax(logits / temperature)[token]`` (float32, 0 where the mask is 0).
 
@@ -799,6 +800,6 @@ def teacher_forced_logprobs(params, cfg: qwen.ModelConfig, prompt_tokens, prompt
   smask = jnp.concatenate([jnp.asarray(prompt_mask, jnp.int32), rmask], axis=1)
   logits = qwen.apply(params, seq, smask, cfg)
   p, r = prompt_tokens.shape[1], tokens.shape[1]
-  z = logits[:, p - 1:p - 1 + r] / temperature
+  z = restrict_vocab(logits[:, p - 1:p - 1 + r], vocab_limit) / temperature
   lp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tokens[..., None], axis=-1)[..., 0]
   return jnp.where(rmask > 0, lp, 0.0)

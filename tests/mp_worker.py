@@ -228,14 +228,14 @@ def run_train():
 def run_reference():
   from fbos_jax import data as data_lib
   from fbos_jax import sharding as sh
-  from fbos_jax.rl import trainer as trainer_lib
+  from fbos_jax.rl import state as state_lib
   from fbos_jax.rl.trainer import RLTrainer
   c = config(ARGS.steps, EQUIV_MESH)
   c.train.checkpoint_every = 0
   tr = RLTrainer(c, ARGS.workdir, mesh=sh.make_mesh(c.mesh), init_params=numpy_params(c))
   its = [data_lib.make_prompt_iterator(c.data, batch_size=c.rl.prompts_per_step // 2,
                                        process_index=i, process_count=2,
-                                       seed=trainer_lib.data_seed(c),
+                                       seed=state_lib.data_seed(c.seed, c.data.shuffle_seed),
                                        tokenizer=tr.ctx.tokenizer)
          for i in range(2)]
   counter, batches = counting_trainer(tr, list(enumerate(its)))  # host 0's rows, then host 1's

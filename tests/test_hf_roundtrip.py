@@ -520,7 +520,7 @@ def test_launchers_with_init_from_hf(qwen3_dir, tmp_path):
   assert config.model.param_dtype == "bfloat16"
   workdir = str(tmp_path / "run")
   trainer = RLTrainer(config, workdir, log_metrics=False)
-  params, _ = load_hf_params(qwen3_dir, trainer.model_cfg, mesh=trainer.mesh,
+  params, _ = load_hf_params(qwen3_dir, trainer.parts.model, mesh=trainer.mesh,
                              rules=sh.rules_dict(config.mesh.rules))
   assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"}
   trainer.save(trainer.init_state(params), force=True)

@@ -641,7 +641,7 @@ def load_hf_params(path: Union[str, os.PathLike], cfg: Optional[ModelConfig] = N
     path: directory with ``config.json`` and ``model.safetensors`` (or shards +
       ``model.safetensors.index.json``).
     cfg: optional :class:`ModelConfig` (a run passes its own, e.g.
-      ``RLTrainer.model_cfg``, so the params come in its ``param_dtype``); its
+      ``RLTrainer.parts.model``, so the params come in its ``param_dtype``); its
       architecture fields (model type, sizes, ``tie_embeddings``, ``rope_theta``,
       ``rms_norm_eps``) must agree with ``config.json`` (see
       :func:`apply_hf_config`); dtypes and remat are taken from it. Default: read

@@ -57,7 +57,7 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
   trainer = RLTrainer(config, workdir, allow_config_change=allow_config_change)
   params = None
   if config.model.hf_path:  # straight into the mesh's shardings, in model.param_dtype
-    params, _ = hf.load_hf_params(config.model.hf_path, trainer.model_cfg, mesh=trainer.mesh,
+    params, _ = hf.load_hf_params(config.model.hf_path, trainer.parts.model, mesh=trainer.mesh,
                                   rules=trainer.rules)
   state = trainer.init_state(params)
   state, resumed = trainer.maybe_restore(state)

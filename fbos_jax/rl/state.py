@@ -50,6 +50,12 @@ def host_seed(rng, name: str, *indices) -> int:
   return int(np.asarray(jax.random.key_data(key)).reshape(-1)[-1]) & 0x7FFFFFFF
 
 
+def data_seed(seed: int, shuffle_seed: int = 0) -> int:
+  """The seed of the training prompts' order (grain): the ``data`` stream of a run
+  seeded with ``seed``, at ``data.shuffle_seed``."""
+  return host_seed(root_rng(seed), "data", int(shuffle_seed))
+
+
 def root_rng(seed: int):
   """``TrainState.rng`` of a run seeded with ``seed``: [2] uint32 raw key data."""
   return jax.random.key_data(jax.random.key(int(seed)))

@@ -36,13 +36,6 @@ SUM_METRICS = ("tokens/generated", "rollouts/generated", "round2/rollouts", "epa
                "tokens/per_s", "verifier/calls", "verifier/errors", "eval/verifier_errors")
 
 
-def data_seed(config) -> int:
-  """The seed of the training prompts' order: the ``data`` stream of the run's
-  PRNG at ``data.shuffle_seed``."""
-  return state_lib.host_seed(state_lib.root_rng(config.seed), "data",
-                             int(config.data.shuffle_seed))
-
-
 class NonFiniteStepError(FloatingPointError):
   pass
 
@@ -71,7 +64,8 @@ class RLTrainer:
     pi, pc = jax.process_index(), jax.process_count()
     self.train_iter = data_lib.make_prompt_iterator(
         config.data, batch_size=self.parts.rollout.prompts_per_step // pc, process_index=pi,
-        process_count=pc, seed=data_seed(config), tokenizer=self.ctx.tokenizer,
+        process_count=pc, seed=state_lib.data_seed(config.seed, config.data.shuffle_seed),
+        tokenizer=self.ctx.tokenizer,
         templates_config=config.templates)
     self.eval_examples = data_lib.held_out_examples(
         config.data, config.train.eval_prompts, process_index=pi, process_count=pc,
@@ -85,18 +79,11 @@ class RLTrainer:
     self.rl_seconds_before = 0.0  # RL time of the run before the restored checkpoint
     self._failed_steps = 0  # consecutive steps whose every verifier call failed
 
-  @property
-  def model_cfg(self):
-    return self.parts.model
-
   # ------------------------------------------------------------------ state
   def init_state(self, params=None) -> state_lib.TrainState:
     """A fresh state: ``params`` (copied), else the trainer's init params, else random."""
     return state_lib.init_state(self.parts, self.mesh, self.rules,
                                 params if params is not None else self._init_params)
-
-  def abstract_state(self) -> state_lib.TrainState:
-    return state_lib.abstract_state(self.parts, self.mesh, self.rules)
 
   def save(self, state, force: bool = False, rl_seconds: float = 0.0):
     meta = {"model": self.config.model.to_dict(), "algo": self.config.algo,
@@ -111,7 +98,8 @@ class RLTrainer:
     if self.ckpt.latest_step() is None:
       return state, False
     restored, data_state, meta = self.ckpt.restore(
-        None, self.abstract_state(), {"model": self.config.model.to_dict(),
+        None, state_lib.abstract_state(self.parts, self.mesh, self.rules),
+        {"model": self.config.model.to_dict(),
                                       "layout": state_lib.layout(self.parts)})
     ckpt_lib.check_resume_config(meta.get("config"), self.config.to_dict(),
                                  allow=self.allow_config_change)
@@ -158,24 +146,27 @@ class RLTrainer:
     return state, m
 
   def _check_step(self, m: dict, examples: list, logged_step: int):
-    """A skipped non-finite optimizer step (warn, or raise without
-    ``rl.skip_nonfinite``), and a verifier that failed every call for
-    ``verifier.max_failed_steps`` steps in a row (raise)."""
+    """Name a skipped (non-finite) optimizer step in the log and the metrics."""
     if m["policy/finite"] < 1:
       ids = [str(ex.get("id", "")) for ex in examples]
       logging.warning("step %d: an optimizer step was skipped (non-finite loss or gradient); "
                       "batch ids: %s", logged_step, ids)
       m["skipped_batch_ids"] = ids
-      if not self.parts.update.skip_nonfinite:
-        raise NonFiniteStepError(
-            f"non-finite loss or gradient at step {logged_step} (rl.skip_nonfinite=False)")
+
+  def _stop_if_failing(self, m: dict, step: int):
+    """After step ``step`` is logged: raise on a skipped step without
+    ``rl.skip_nonfinite``, and when every verifier call failed in
+    ``verifier.max_failed_steps`` steps in a row."""
+    if m["policy/finite"] < 1 and not self.parts.update.skip_nonfinite:
+      raise NonFiniteStepError(
+          f"non-finite loss or gradient at step {step} (rl.skip_nonfinite=False)")
     calls = m.get("verifier/calls", 0)
     self._failed_steps = self._failed_steps + 1 if calls and m["verifier/errors"] >= calls else 0
     limit = int(self.config.verifier.max_failed_steps)
     if limit and self._failed_steps >= limit:
       raise VerifierFailingError(
           f"every verifier call failed in {self._failed_steps} steps in a row (up to step "
-          f"{logged_step}; the error kinds are counted in verifier/<kind> in metrics.jsonl and "
+          f"{step}; the error kinds are counted in verifier/<kind> in metrics.jsonl and "
           f"each was logged once to log.txt); verifier.max_failed_steps={limit}")
 
   # ------------------------------------------------------------------ the loop
@@ -208,6 +199,7 @@ class RLTrainer:
         m.update(self.evaluate(state, eval_examples, k=k, step=s))
       self.metrics.write(s, m)
       history.append(dict(m, step=s))
+      self._stop_if_failing(m, s)
       last_acc = m.get("eval/accuracy", last_acc)
       if hasattr(bar, "set_postfix"):
         bar.set_postfix(r1=f"{m['reward/round1']:.2f}", acc=f"{last_acc:.2f}", refresh=False)
