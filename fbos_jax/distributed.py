@@ -99,6 +99,26 @@ def _wait_for_port(host: str, port: int, deadline: float) -> Optional[Exception]
     time.sleep(0.25)
 
 
+def _wait_for_coordinator(address: str, process_id: int, deadline: float, timeout_s: int):
+  """A process other than 0: the coordinator's host resolves and its port opens
+  before ``deadline``, else ``DistributedInitError`` saying what to check."""
+  host, _, port = address.rpartition(":")
+  host = host.strip("[]")
+  try:  # fail fast with a clear message if the coordinator's host does not resolve
+    socket.getaddrinfo(host, int(port))
+  except (socket.gaierror, ValueError) as e:
+    raise DistributedInitError(
+        f"coordinator {address!r} cannot be resolved ({e}); check "
+        "--coordinator_address (host:port of process 0)") from None
+  err = _wait_for_port(host, int(port), deadline)
+  if err is not None:
+    raise DistributedInitError(
+        f"process {process_id}: the coordinator {address} is unreachable after "
+        f"{timeout_s}s ({err}). Start process 0 first (it hosts the coordinator), check "
+        "--coordinator_address (host:port of process 0) and that the port is open between "
+        "the hosts.")
+
+
 def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
                *, timeout_s: int = 300, local_device_ids=None) -> bool:
   """Initialise jax.distributed when there is more than one process.
@@ -124,21 +144,7 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
         f"--process_id={process_id} must be in [0, --num_processes={num_processes})")
   t0 = time.time()
   if explicit and process_id != 0:
-    host, _, port = coordinator_address.rpartition(":")
-    host = host.strip("[]")
-    try:  # fail fast with a clear message if the coordinator's host does not resolve
-      socket.getaddrinfo(host, int(port))
-    except (socket.gaierror, ValueError) as e:
-      raise DistributedInitError(
-          f"coordinator {coordinator_address!r} cannot be resolved ({e}); check "
-          "--coordinator_address (host:port of process 0)") from None
-    err = _wait_for_port(host, int(port), t0 + timeout_s)
-    if err is not None:
-      raise DistributedInitError(
-          f"process {process_id}: the coordinator {coordinator_address} is unreachable after "
-          f"{timeout_s}s ({err}). Start process 0 first (it hosts the coordinator), check "
-          "--coordinator_address (host:port of process 0) and that the port is open between "
-          "the hosts.")
+    _wait_for_coordinator(coordinator_address, process_id, t0 + timeout_s, timeout_s)
   kwargs = {}
   if explicit:
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,

@@ -149,11 +149,6 @@ class SamplingConfig:
   def is_greedy(self) -> bool:
     return bool(self.greedy) or float(self.temperature) == 0.0
 
-  @property
-  def logprob_temperature(self) -> float:
-    """Temperature of the distribution whose log-probs are reported."""
-    return 1.0 if self.is_greedy else float(self.temperature)
-
   def validate(self, vocab_size: Optional[int] = None) -> "SamplingConfig":
     def bad(msg):
       raise SamplingError(msg)
@@ -621,11 +616,6 @@ def compiled_programs() -> int:
   with _LOCK:
     fns = list(_FNS.values())
   return int(sum(f._cache_size() for f in fns))
-
-
-def clear_cache():
-  with _LOCK:
-    _FNS.clear()
 
 
 # ----------------------------------------------------------------------------- public entry
