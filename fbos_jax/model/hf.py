@@ -103,6 +103,40 @@ def _config_path(path: Union[str, os.PathLike]) -> str:
   raise CheckpointError(f"checkpoint path not found: {path}")
 
 
+def _rope_theta(src, d: dict) -> float:
+  """RoPE's base from ``rope_parameters`` (transformers 5), ``rope_scaling`` or
+  the top level (default 10000); scaled or partial RoPE raises."""
+  rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+  if not isinstance(rope, dict):
+    raise CheckpointError(f"{src}: rope_parameters must be an object, got {rope!r}.")
+  if rope and not ("rope_type" in rope or "type" in rope or "rope_theta" in rope):
+    raise CheckpointError(f"{src}: per-layer-type rope_parameters are not supported: {rope!r}.")
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type != "default":
+    raise CheckpointError(f"{src}: rope_type={rope_type!r} is not supported (only 'default' RoPE).")
+  theta = rope.get("rope_theta")
+  if theta is None:
+    theta = d.get("rope_theta", 10_000.0)
+  prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+  if prf not in (None, 1, 1.0):
+    raise CheckpointError(f"{src}: partial_rotary_factor={prf} is not supported.")
+  return theta
+
+
+def _refuse_unsupported(src, d: dict, mt: str):
+  """Features the decoder does not implement raise, named."""
+  if d.get("use_sliding_window"):
+    raise CheckpointError(f"{src}: use_sliding_window=true is not supported (full attention only).")
+  if any(t != "full_attention" for t in (d.get("layer_types") or [])):
+    raise CheckpointError(f"{src}: layer_types={d.get('layer_types')} is not supported "
+                          "(full attention only).")
+  if mt == "qwen3" and d.get("attention_bias"):
+    raise CheckpointError(f"{src}: attention_bias=true is not supported for qwen3.")
+  act = d.get("hidden_act", "silu")
+  if act != "silu":
+    raise CheckpointError(f"{src}: hidden_act={act!r} is not supported (SwiGLU with silu only).")
+
+
 def model_config_from_hf(config_json: Union[dict, str, os.PathLike], **overrides) -> ModelConfig:
   """A :class:`ModelConfig` from a HF ``config.json`` (a dict, the file, or its directory).
 
@@ -147,30 +181,8 @@ def model_config_from_hf(config_json: Union[dict, str, os.PathLike], **overrides
                             f"num_attention_heads={heads} and head_dim is not given.")
     head_dim = hidden // heads
 
-  rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-  if not isinstance(rope, dict):
-    raise CheckpointError(f"{src}: rope_parameters must be an object, got {rope!r}.")
-  if rope and not ("rope_type" in rope or "type" in rope or "rope_theta" in rope):
-    raise CheckpointError(f"{src}: per-layer-type rope_parameters are not supported: {rope!r}.")
-  rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
-    raise CheckpointError(f"{src}: rope_type={rope_type!r} is not supported (only 'default' RoPE).")
-  theta = rope.get("rope_theta")
-  if theta is None:
-    theta = d.get("rope_theta", 10_000.0)
-  prf = rope.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-  if prf not in (None, 1, 1.0):
-    raise CheckpointError(f"{src}: partial_rotary_factor={prf} is not supported.")
-  if d.get("use_sliding_window"):
-    raise CheckpointError(f"{src}: use_sliding_window=true is not supported (full attention only).")
-  if any(t != "full_attention" for t in (d.get("layer_types") or [])):
-    raise CheckpointError(f"{src}: layer_types={d.get('layer_types')} is not supported "
-                          "(full attention only).")
-  if mt == "qwen3" and d.get("attention_bias"):
-    raise CheckpointError(f"{src}: attention_bias=true is not supported for qwen3.")
-  act = d.get("hidden_act", "silu")
-  if act != "silu":
-    raise CheckpointError(f"{src}: hidden_act={act!r} is not supported (SwiGLU with silu only).")
+  theta = _rope_theta(src, d)
+  _refuse_unsupported(src, d, mt)
 
   fields = dict(  # keys: HF_ARCH_FIELDS
       model_type=mt,
@@ -633,6 +645,47 @@ def _describe(cfg: ModelConfig) -> str:
           f"num_key_value_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim}")
 
 
+def _agreeing_config(cfg_src: str, cfg: Optional[ModelConfig]) -> ModelConfig:
+  """``cfg``, after checking its architecture fields against ``config.json``
+  (``config.json``'s own config without ``cfg``)."""
+  file_cfg = model_config_from_hf(cfg_src)
+  if cfg is None:
+    return file_cfg
+  bad = [f for f in HF_ARCH_FIELDS if getattr(cfg, f) != getattr(file_cfg, f)]
+  if bad:
+    raise CheckpointError(
+        f"{cfg_src} disagrees with the given ModelConfig on " +
+        ", ".join(f"{f} (file {getattr(file_cfg, f)!r}, config {getattr(cfg, f)!r})"
+                  for f in bad) +
+        "; take the model fields from the checkpoint with "
+        "fbos_jax.model.hf.apply_hf_config(config, path) (what --init_from_hf does).")
+  return cfg
+
+
+def _open_and_check(reader, maps, cfg: ModelConfig, cfg_src: str, path: str):
+  """Open the files holding the tensors ``maps`` needs, check every tensor's
+  shape, and warn about the tensors the model does not use."""
+  wanted_by_file: dict[str, list[str]] = {}
+  for tm in maps:
+    for n in tm.names(cfg.num_layers):
+      f = reader.file_of(n)
+      if f is not None:
+        wanted_by_file.setdefault(f, []).append(n)
+  reader.open_all(wanted_by_file)
+  desc = _describe(cfg)
+  used = set()
+  for tm in maps:
+    for n in tm.names(cfg.num_layers):
+      reader.check(n, tm.hf_shape, cfg_src, desc)
+      used.add(n)
+  extra = sorted(n for n in reader.all_names() if n not in used
+                 and not n.endswith(_IGNORED_SUFFIXES)
+                 and not (cfg.tie_embeddings and n == "lm_head.weight"))
+  if extra:
+    log.warning("%s: ignoring %d tensor(s) the %s model does not use: %s", path, len(extra),
+                cfg.model_type, ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else ""))
+
+
 def load_hf_params(path: Union[str, os.PathLike], cfg: Optional[ModelConfig] = None, *,
                    mesh=None, rules=None, dtype: Any = None) -> tuple[Params, ModelConfig]:
   """Load a local HF Qwen2/Qwen3 checkpoint directory into our param pytree.
@@ -665,42 +718,12 @@ def load_hf_params(path: Union[str, os.PathLike], cfg: Optional[ModelConfig] = N
   if not os.path.isdir(path):
     raise CheckpointError(f"checkpoint path is not a directory: {path}")
   cfg_src = os.path.join(path, CONFIG_NAME)
-  file_cfg = model_config_from_hf(cfg_src)
-  if cfg is None:
-    cfg = file_cfg
-  else:
-    bad = [f for f in HF_ARCH_FIELDS if getattr(cfg, f) != getattr(file_cfg, f)]
-    if bad:
-      raise CheckpointError(
-          f"{cfg_src} disagrees with the given ModelConfig on " +
-          ", ".join(f"{f} (file {getattr(file_cfg, f)!r}, config {getattr(cfg, f)!r})"
-                    for f in bad) +
-          "; take the model fields from the checkpoint with "
-          "fbos_jax.model.hf.apply_hf_config(config, path) (what --init_from_hf does).")
+  cfg = _agreeing_config(cfg_src, cfg)
   dtype = jnp.dtype(dtype if dtype is not None else cfg.param_dtype)
   cfg = dataclasses.replace(cfg, param_dtype=dtype.name)
-
   reader = _Reader(path)
   maps = tensor_maps(cfg)
-  wanted_by_file: dict[str, list[str]] = {}
-  for tm in maps:
-    for n in tm.names(cfg.num_layers):
-      f = reader.file_of(n)
-      if f is not None:
-        wanted_by_file.setdefault(f, []).append(n)
-  reader.open_all(wanted_by_file)
-  desc = _describe(cfg)
-  used = set()
-  for tm in maps:
-    for n in tm.names(cfg.num_layers):
-      reader.check(n, tm.hf_shape, cfg_src, desc)
-      used.add(n)
-  extra = sorted(n for n in reader.all_names() if n not in used
-                 and not n.endswith(_IGNORED_SUFFIXES)
-                 and not (cfg.tie_embeddings and n == "lm_head.weight"))
-  if extra:
-    log.warning("%s: ignoring %d tensor(s) the %s model does not use: %s", path, len(extra),
-                cfg.model_type, ", ".join(extra[:8]) + (" ..." if len(extra) > 8 else ""))
+  _open_and_check(reader, maps, cfg, cfg_src, path)
 
   if mesh is not None:
     rules = shd.DEFAULT_RULES if rules is None else rules
@@ -766,6 +789,71 @@ def _write_shard(path: str, entries: list, fetch) -> None:
   os.replace(tmp, path)
 
 
+def _export_plan(leaves: dict, maps, cfg: ModelConfig, out_dt, max_shard_bytes: int):
+  """Every HF tensor with its shape and dtype, in HF's usual order, split into
+  files of at most ``max_shard_bytes``: (plan, files), each entry
+  ``(name, shape, dtype, nbytes, tensor map, layer)``."""
+  plan = []
+  for tm in maps:
+    x = leaves[tm.path]
+    want = ((cfg.num_layers,) + tm.layer_shape) if tm.stacked else tm.layer_shape
+    if tuple(x.shape) != want:
+      raise CheckpointError(f"save_hf_checkpoint: param {'/'.join(tm.path)} has shape "
+                            f"{tuple(x.shape)}, but the config ({_describe(cfg)}) implies {want}.")
+    dt = np.dtype(out_dt if out_dt is not None else x.dtype)
+    nbytes = math.prod(tm.hf_shape) * dt.itemsize
+    for i, n in enumerate(tm.names(cfg.num_layers)):
+      plan.append((n, tm.hf_shape, dt, nbytes, tm, i if tm.stacked else None))
+  order = {"model.embed_tokens.weight": (-1, ""), "model.norm.weight": (1 << 30, ""),
+           "lm_head.weight": (1 << 31, "")}
+  plan.sort(key=lambda e: order.get(e[0], (e[5] if e[5] is not None else 0, e[0])))
+  files: list[list] = [[]]
+  size = 0
+  for e in plan:
+    if files[-1] and size + e[3] > max_shard_bytes:
+      files.append([])
+      size = 0
+    files[-1].append(e)
+    size += e[3]
+  return plan, files
+
+
+def _prepare_out_dir(out_dir: str):
+  """Create the export directory and remove stale shards (they would shadow or
+  mix with the new ones)."""
+  if sys.byteorder != "little":
+    raise CheckpointError("save_hf_checkpoint: big-endian hosts are not supported")
+  try:
+    os.makedirs(out_dir, exist_ok=True)
+  except OSError as e:
+    raise CheckpointError(f"cannot create checkpoint directory {out_dir}: {e}") from None
+  for f in os.listdir(out_dir):
+    if (f.startswith("model") and f.endswith(".safetensors")) or f == INDEX_NAME:
+      os.remove(os.path.join(out_dir, f))
+
+
+def _write_index_and_config(out_dir, plan, files, names, cfg, out_dt, leaves, base_config):
+  """The shard index (more than one file) and ``config.json``; their paths."""
+  written = []
+  if len(files) > 1:
+    index = {"metadata": {"total_size": int(sum(e[3] for e in plan))},
+             "weight_map": {e[0]: fname for fname, entries in zip(names, files)
+                            for e in entries}}
+    p = os.path.join(out_dir, INDEX_NAME)
+    with open(p, "w", encoding="utf-8") as f:
+      json.dump(index, f, indent=2, sort_keys=True)
+    written.append(p)
+  dts = {e[2].name for e in plan}
+  conf = hf_config_dict(cfg, dtype=out_dt if out_dt is not None else
+                        (dts.pop() if len(dts) == 1 else leaves[("embed",)].dtype),
+                        base_config=base_config)
+  p = os.path.join(out_dir, CONFIG_NAME)
+  with open(p, "w", encoding="utf-8") as f:
+    json.dump(conf, f, indent=2, sort_keys=True)
+  written.append(p)
+  return written
+
+
 def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: Union[str, os.PathLike], *,
                        dtype: Any = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                        base_config: Optional[dict] = None) -> list[str]:
@@ -799,29 +887,7 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: Union[str, os.
                           f"{cfg.model_type} config ({_describe(cfg)})") from None
   out_dt = None if dtype is None else jnp.dtype(dtype)
 
-  # Plan: every HF tensor with its shape/dtype, in HF's usual order, split into files.
-  plan = []  # (name, shape, dtype, nbytes, tm, layer)
-  for tm in maps:
-    x = leaves[tm.path]
-    want = ((cfg.num_layers,) + tm.layer_shape) if tm.stacked else tm.layer_shape
-    if tuple(x.shape) != want:
-      raise CheckpointError(f"save_hf_checkpoint: param {'/'.join(tm.path)} has shape "
-                            f"{tuple(x.shape)}, but the config ({_describe(cfg)}) implies {want}.")
-    dt = np.dtype(out_dt if out_dt is not None else x.dtype)
-    nbytes = math.prod(tm.hf_shape) * dt.itemsize
-    for i, n in enumerate(tm.names(cfg.num_layers)):
-      plan.append((n, tm.hf_shape, dt, nbytes, tm, i if tm.stacked else None))
-  order = {"model.embed_tokens.weight": (-1, ""), "model.norm.weight": (1 << 30, ""),
-           "lm_head.weight": (1 << 31, "")}
-  plan.sort(key=lambda e: order.get(e[0], (e[5] if e[5] is not None else 0, e[0])))
-  files: list[list] = [[]]
-  size = 0
-  for e in plan:
-    if files[-1] and size + e[3] > max_shard_bytes:
-      files.append([])
-      size = 0
-    files[-1].append(e)
-    size += e[3]
+  plan, files = _export_plan(leaves, maps, cfg, out_dt, max_shard_bytes)
   n_files = len(files)
   names = ([SINGLE_FILE_NAME] if n_files == 1 else
            [f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)])
@@ -839,15 +905,7 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: Union[str, os.
     return tm.to_hf(host) if writer else None
 
   if writer:
-    if sys.byteorder != "little":
-      raise CheckpointError("save_hf_checkpoint: big-endian hosts are not supported")
-    try:
-      os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-      raise CheckpointError(f"cannot create checkpoint directory {out_dir}: {e}") from None
-    for f in os.listdir(out_dir):  # stale shards would shadow / mix with the new ones
-      if (f.startswith("model") and f.endswith(".safetensors")) or f == INDEX_NAME:
-        os.remove(os.path.join(out_dir, f))
+    _prepare_out_dir(out_dir)
   written = []
   for fname, entries in zip(names, files):
     p = os.path.join(out_dir, fname)
@@ -862,20 +920,6 @@ def save_hf_checkpoint(params: Params, cfg: ModelConfig, out_dir: Union[str, os.
       for e in ent:
         fetch(e[0])
   if writer:
-    if n_files > 1:
-      index = {"metadata": {"total_size": int(sum(e[3] for e in plan))},
-               "weight_map": {e[0]: fname for fname, entries in zip(names, files)
-                              for e in entries}}
-      p = os.path.join(out_dir, INDEX_NAME)
-      with open(p, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-      written.append(p)
-    dts = {e[2].name for e in plan}
-    conf = hf_config_dict(cfg, dtype=out_dt if out_dt is not None else
-                          (dts.pop() if len(dts) == 1 else leaves[("embed",)].dtype),
-                          base_config=base_config)
-    p = os.path.join(out_dir, CONFIG_NAME)
-    with open(p, "w", encoding="utf-8") as f:
-      json.dump(conf, f, indent=2, sort_keys=True)
-    written.append(p)
+    written += _write_index_and_config(out_dir, plan, files, names, cfg, out_dt, leaves,
+                                       base_config)
   return written

@@ -769,6 +769,54 @@ def kill_uid(uid: int, rounds: int = 5) -> int:
   return killed
 
 
+def _run_and_reap(cmd, env, root, out_path, err_path, wall_s, *, namespaces: bool, uid):
+  """Run the child with stdin/stdout/stderr files under ``root``, kill it (and its
+  namespace or its uid's processes) after ``wall_s``; (timed out, return code)."""
+  timed_out = False
+  with open(os.path.join(root, "stdin"), "rb") as fin, \
+      open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
+    proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr,
+                            env=env, cwd=root, start_new_session=True,
+                            close_fds=True)
+    try:
+      proc.wait(timeout=wall_s)
+    except subprocess.TimeoutExpired:
+      timed_out = True
+      if namespaces:
+        # Kill the PID namespace's init first: the kernel then kills the
+        # rest of the namespace and unshare exits only once it is empty.
+        for child in _child_pids(proc.pid):
+          try:
+            os.kill(child, signal.SIGKILL)
+          except ProcessLookupError:
+            pass
+        try:
+          proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+          pass
+    finally:
+      try:
+        os.killpg(proc.pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+      rc = proc.wait()
+      if uid is not None:
+        kill_uid(uid)
+  return timed_out, rc
+
+
+def _status(rc, timed_out: bool, stderr: str) -> str:
+  """The run's outcome from its return code and stderr."""
+  if timed_out or rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+    return "timeout"
+  if rc in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or (
+      rc != 0 and "File too large" in stderr):  # Python ignores SIGXFSZ
+    return "output_limit"
+  if rc != 0 and "MemoryError" in stderr:
+    return "memory"
+  return "runtime_error" if rc != 0 else "ok"
+
+
 class Sandbox:
   """Runs untrusted Python source under the layers described in the module doc.
 
@@ -1025,53 +1073,16 @@ class Sandbox:
       out_path = os.path.join(root, "stdout")
       err_path = os.path.join(root, "stderr")
       t0 = time.monotonic()
-      timed_out = False
-      with open(os.path.join(root, "stdin"), "rb") as fin, \
-          open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
-        proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr,
-                                env=env, cwd=root, start_new_session=True,
-                                close_fds=True)
-        try:
-          rc = proc.wait(timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-          timed_out = True
-          if caps["namespaces"]:
-            # Kill the PID namespace's init first: the kernel then kills the
-            # rest of the namespace and unshare exits only once it is empty.
-            for child in _child_pids(proc.pid):
-              try:
-                os.kill(child, signal.SIGKILL)
-              except ProcessLookupError:
-                pass
-            try:
-              proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-              pass
-        finally:
-          try:
-            os.killpg(proc.pid, signal.SIGKILL)
-          except (ProcessLookupError, PermissionError):
-            pass
-          rc_after = proc.wait()
-          if uid is not None and not caps["namespaces"]:
-            kill_uid(uid)
+      timed_out, rc_after = _run_and_reap(cmd, env, root, out_path, err_path, limits.wall_s,
+                                          namespaces=caps["namespaces"],
+                                          uid=uid if not caps["namespaces"] else None)
       wall = time.monotonic() - t0
       rc = None if timed_out else rc_after
       stdout, _ = _read_tail(out_path, limits.max_output_bytes)
       stderr, _ = _read_tail(err_path, limits.max_output_bytes)
       if rc == SETUP_FAILED_EXIT and SETUP_FAILED_MARK in stderr:
         raise SandboxError(stderr.strip()[-1000:])
-      if timed_out or rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
-        status = "timeout"
-      elif rc in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or (
-          rc != 0 and "File too large" in stderr):  # Python ignores SIGXFSZ
-        status = "output_limit"
-      elif rc != 0 and "MemoryError" in stderr:
-        status = "memory"
-      elif rc != 0:
-        status = "runtime_error"
-      else:
-        status = "ok"
+      status = _status(rc, timed_out, stderr)
       return RunResult(status, rc, stdout, stderr, wall)
     finally:
       shutil.rmtree(root, ignore_errors=True)
