@@ -83,7 +83,7 @@ import functools
 import math
 import threading
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -433,21 +433,20 @@ def _rules_key(rules):
   return tuple((str(k), tuple(v) if isinstance(v, list) else v) for k, v in items)
 
 
-def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_ids,
-              row_ids=None, *, cfg: qwen.ModelConfig, st: _Static, n: int, mesh, rules):
-  """The compiled core. prompt_tokens/mask [B, P] (left-padded) -> dict of [B*n, ...].
+class _Ops(NamedTuple):
+  """The per-call pieces of the compiled sampler (closures over its params,
+  key and options): sharding constraints, logits, token choice, stop test."""
+  run_params: Any
+  con: Any  # (x, logical axes) -> x constrained on the mesh
+  con_cache: Any  # KVCache -> KVCache constrained
+  logits_of: Any  # hidden [N, D] -> logits [N, V] float32 (ids >= vocab_limit at -inf)
+  choose: Any  # (logits [N, V], step) -> (token [N], log-prob [N])
+  is_stop: Any  # token [N] -> [N] bool
 
-  row_ids [B] int32 (optional): each prompt's index in the global prompt order;
-  sample j of prompt i then draws from its own stream ``fold_in(key_t, i*n + j)``,
-  so the samples do not depend on padding, bucketing, chunking or on how the
-  prompts are split over processes. Without it, row r draws element r of one
-  uniform vector (position-dependent)."""
-  b, p = prompt_tokens.shape
-  r = st.max_new_tokens
-  rows = b * n
-  s = p + r - 1  # the last sampled token is never fed back
+
+def _ops(params, key, temperature, top_p, stop_ids, row_ids, *, cfg: qwen.ModelConfig,
+         st: "_Static", n: int, mesh, rules) -> _Ops:
   dt = cfg.dtype
-  cache_dt = jnp.dtype(st.cache_dtype) if st.cache_dtype else dt
   rules = sh.DEFAULT_RULES if rules is None else rules
 
   def con(x, axes):
@@ -462,7 +461,6 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
     unembed, spec = params["embed"].astype(dt), "bd,vd->bv"
   else:
     unembed, spec = params["unembed"].astype(dt), "bd,dv->bv"
-  run_params = qwen.split_layers(params) if st.unroll else params
 
   def con_cache(c):
     axes = qwen.cache_logical_axes(split=st.unroll, num_layers=cfg.num_layers)
@@ -487,64 +485,69 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
     return _choose(logits, k, temperature, top_p,
                    greedy=st.greedy, top_k=st.top_k, use_top_p=st.use_top_p, u=u)
 
-  # ---- prefill the B prompts once, into a cache as long as the first decode phase needs
-  phase_lens = decode_phase_lengths(p, r, st.decode_phases)
-  prompt_mask = prompt_mask.astype(jnp.int32)
-  cache = con_cache(qwen.init_cache(cfg, b, phase_lens[0], cache_dt, split=st.unroll))
-  kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, phase_lens[0] - p), jnp.int32)], axis=1)
-  positions = qwen.positions_from_mask(prompt_mask)
-  hidden, cache = qwen.forward(run_params, prompt_tokens, prompt_mask, cfg, positions=positions,
-                               cache=cache, cache_index=0, kv_mask=kv_mask)
-  logits0 = logits_of(hidden[:, -1])
-  next_pos = jnp.sum(prompt_mask, axis=-1)
-
-  # ---- share the prefill across the group: repeat on the batch axis
-  if n > 1:
-    bax = 0 if st.unroll else 1
-    cache = jax.tree.map(lambda x: jnp.repeat(x, n, axis=bax), cache)
-    logits0, kv_mask, next_pos = (jnp.repeat(x, n, axis=0) for x in (logits0, kv_mask, next_pos))
-  cache = con_cache(cache)
-  row_axes = ("batch", None)
-  logits0 = con(logits0, row_axes)
-  kv_mask = con(kv_mask, row_axes)
-
   def is_stop(tok):
     if not st.num_stop_slots:
       return jnp.zeros(tok.shape, bool)
     return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
 
-  tok0, lp0 = choose(logits0, 0)
+  run_params = qwen.split_layers(params) if st.unroll else params
+  return _Ops(run_params, con, con_cache, logits_of, choose, is_stop)
+
+
+def _prefill(ops: _Ops, prompt_tokens, prompt_mask, cache_len: int, *, cfg, st, n: int):
+  """Prefill the B prompts once, into a cache of ``cache_len`` slots, and share it
+  across the group (repeated n times on the batch axis): (cache, kv_mask [B*n, S],
+  first logits [B*n, V], next positions [B*n])."""
+  b, p = prompt_tokens.shape
+  cache_dt = jnp.dtype(st.cache_dtype) if st.cache_dtype else cfg.dtype
+  cache = ops.con_cache(qwen.init_cache(cfg, b, cache_len, cache_dt, split=st.unroll))
+  kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, cache_len - p), jnp.int32)], axis=1)
+  positions = qwen.positions_from_mask(prompt_mask)
+  hidden, cache = qwen.forward(ops.run_params, prompt_tokens, prompt_mask, cfg,
+                               positions=positions, cache=cache, cache_index=0, kv_mask=kv_mask)
+  logits0 = ops.logits_of(hidden[:, -1])
+  next_pos = jnp.sum(prompt_mask, axis=-1)
+  if n > 1:
+    bax = 0 if st.unroll else 1
+    cache = jax.tree.map(lambda x: jnp.repeat(x, n, axis=bax), cache)
+    logits0, kv_mask, next_pos = (jnp.repeat(x, n, axis=0) for x in (logits0, kv_mask, next_pos))
+  row_axes = ("batch", None)
+  return ops.con_cache(cache), ops.con(kv_mask, row_axes), ops.con(logits0, row_axes), next_pos
+
+
+def _decode(ops: _Ops, carry, next_pos, phase_lens: tuple, *, cfg, st, p: int):
+  """The decode loops, one ``while_loop`` per phase: phase k's cache holds
+  ``phase_lens[k]`` slots, enough for every token fed up to its end, so attention
+  never reads the slots of later phases. Between phases the cache (and kv_mask)
+  grow by padding: one copy of the filled part. ``carry`` = (step, last token,
+  cache, done, kv_mask, tokens, logprobs, lengths); returns the final carry."""
+  r = st.max_new_tokens
+  rows = carry[1].shape[0]
   pad = jnp.int32(st.pad_id)
-  tokens = jnp.full((rows, r), pad, jnp.int32).at[:, 0].set(tok0)
-  logprobs = jnp.zeros((rows, r), jnp.float32).at[:, 0].set(lp0)
-  done = is_stop(tok0)
-  lengths = jnp.ones((rows,), jnp.int32)
+  row_axes = ("batch", None)
+  con = ops.con
 
   def body(c):
     i, last, cache, done, kv_mask, tokens, logprobs, lengths = c
     slot = p + i - 1  # slot of token i-1, the one fed now
     kv_mask = jax.lax.dynamic_update_slice(kv_mask, jnp.ones((rows, 1), jnp.int32), (0, slot))
     pos = (next_pos + i - 1)[:, None]
-    hidden, cache = qwen.forward(run_params, last[:, None], jnp.ones_like(last[:, None]), cfg,
-                                 positions=pos, cache=cache, cache_index=slot, kv_mask=kv_mask)
-    tok, lp = choose(logits_of(hidden[:, 0]), i)
+    hidden, cache = qwen.forward(ops.run_params, last[:, None], jnp.ones_like(last[:, None]),
+                                 cfg, positions=pos, cache=cache, cache_index=slot,
+                                 kv_mask=kv_mask)
+    tok, lp = ops.choose(ops.logits_of(hidden[:, 0]), i)
     tok = jnp.where(done, pad, tok)
     lp = jnp.where(done, 0.0, lp)
     tokens = jax.lax.dynamic_update_slice(tokens, tok[:, None], (0, i))
     logprobs = jax.lax.dynamic_update_slice(logprobs, lp[:, None], (0, i))
     lengths = lengths + jnp.logical_not(done).astype(jnp.int32)
-    done = done | is_stop(tok)
-    return (i + 1, tok, con_cache(cache), con(done, ("batch",)), con(kv_mask, row_axes),
+    done = done | ops.is_stop(tok)
+    return (i + 1, tok, ops.con_cache(cache), con(done, ("batch",)), con(kv_mask, row_axes),
             con(tokens, row_axes), con(logprobs, row_axes), con(lengths, ("batch",)))
 
-  # ---- decode: one while loop per phase; phase k's cache holds phase_lens[k] slots, enough
-  # for every token fed up to its end, so attention never reads the slots of later phases.
-  # Between phases the cache (and kv_mask) grow by padding: one copy of the filled part.
-  carry = (jnp.int32(1), tok0, cache, done, kv_mask, con(tokens, row_axes),
-           con(logprobs, row_axes), lengths)
   for phase_len in phase_lens:
     i, last, cache, done, kv_mask, tokens, logprobs, lengths = carry
-    cache = con_cache(grow_cache(cache, phase_len))
+    cache = ops.con_cache(grow_cache(cache, phase_len))
     kv_mask = con(jnp.pad(kv_mask, ((0, 0), (0, phase_len - kv_mask.shape[1]))), row_axes)
     end = min(r, phase_len - p + 1)  # steps i < end feed slots p + i - 1 < phase_len
 
@@ -553,7 +556,36 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
 
     carry = jax.lax.while_loop(
         cond, body, (i, last, cache, done, kv_mask, tokens, logprobs, lengths))
-  _, _, _, done, _, tokens, logprobs, lengths = carry
+  return carry
+
+
+def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_ids,
+              row_ids=None, *, cfg: qwen.ModelConfig, st: _Static, n: int, mesh, rules):
+  """The compiled core. prompt_tokens/mask [B, P] (left-padded) -> dict of [B*n, ...].
+
+  row_ids [B] int32 (optional): each prompt's index in the global prompt order;
+  sample j of prompt i then draws from its own stream ``fold_in(key_t, i*n + j)``,
+  so the samples do not depend on padding, bucketing, chunking or on how the
+  prompts are split over processes. Without it, row r draws element r of one
+  uniform vector (position-dependent)."""
+  b, p = prompt_tokens.shape
+  r = st.max_new_tokens
+  rows = b * n
+  ops = _ops(params, key, temperature, top_p, stop_ids, row_ids, cfg=cfg, st=st, n=n,
+             mesh=mesh, rules=rules)
+  phase_lens = decode_phase_lengths(p, r, st.decode_phases)
+  prompt_mask = prompt_mask.astype(jnp.int32)
+  cache, kv_mask, logits0, next_pos = _prefill(ops, prompt_tokens, prompt_mask, phase_lens[0],
+                                               cfg=cfg, st=st, n=n)
+  row_axes = ("batch", None)
+  tok0, lp0 = ops.choose(logits0, 0)
+  pad = jnp.int32(st.pad_id)
+  tokens = jnp.full((rows, r), pad, jnp.int32).at[:, 0].set(tok0)
+  logprobs = jnp.zeros((rows, r), jnp.float32).at[:, 0].set(lp0)
+  carry = (jnp.int32(1), tok0, cache, ops.is_stop(tok0), kv_mask, ops.con(tokens, row_axes),
+           ops.con(logprobs, row_axes), jnp.ones((rows,), jnp.int32))
+  _, _, _, done, _, tokens, logprobs, lengths = _decode(ops, carry, next_pos, phase_lens,
+                                                        cfg=cfg, st=st, p=p)
   steps = jnp.arange(r, dtype=jnp.int32)[None, :]
   mask = (steps < lengths[:, None]).astype(jnp.int32)
   if n > 1:

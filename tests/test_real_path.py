@@ -92,3 +92,32 @@ def test_qwen_checkpoint_trains_exports_and_reloads(checkpoint_dir, tmp_path):
     assert json.load(f)["max_position_embeddings"] == 40_960
   same = export_lib.check_greedy(smoke_config(), wd, out, 2, init_from_hf=checkpoint_dir)
   assert same == [True, True]
+
+
+def test_eval_of_a_checkpoint_stops_where_training_stops(checkpoint_dir, tmp_path, monkeypatch):
+  """launch/eval.py used to apply the checkpoint's architecture without its
+  generation stop ids, so a Qwen run's eval stopped only at the tokenizer's EOS:
+  the context eval samples with now holds the same stop ids as training's."""
+  from fbos_jax.model import hf
+  from fbos_jax.rl import context, evaluation
+  from fbos_jax.rl.config import with_checkpoint_model
+
+  class Built(Exception):
+    pass
+
+  seen = []
+  real = context.RolloutContext.build.__func__
+
+  def build(cls, config, *args, **kwargs):
+    seen.append(real(cls, config, *args, **kwargs).stop_ids)
+    raise Built
+
+  monkeypatch.setattr(context.RolloutContext, "build", classmethod(build))
+  with pytest.raises(Built):
+    evaluation.evaluate_checkpoint(smoke_config(), str(tmp_path), init_from_hf=checkpoint_dir)
+  with pytest.raises(Built):  # what training builds
+    context.RolloutContext.build(with_checkpoint_model(smoke_config(), checkpoint_dir),
+                                 str(tmp_path))
+  want = hf.generation_stop_ids(checkpoint_dir)
+  assert len(want) >= 2 and set(want) <= set(seen[0])
+  assert seen[0] == seen[1]

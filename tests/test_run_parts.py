@@ -53,13 +53,19 @@ def test_unknown_sampling_or_rollout_field_fails_at_build(field):
 # ---------------------------------------------------------------- one shape model
 
 
-def test_the_step_pads_to_the_shape_model(tmp_path, small, one_device_mesh):
-  """The rollout's padded batches and the sampler programs it compiles are the
+def test_the_step_pads_to_the_shape_model(tmp_path, small, one_device_mesh, monkeypatch):
+  """The rollout's padded batches and the sampler programs it runs are the
   shapes the compiled plan compiles (fbos_jax/rl/shapes.py)."""
   c = small("configs/fbos.py:tiny", **{"rl.fixed_row_buckets": True})
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh, log_metrics=False)
   state = tr.init_state()
-  before = set(sampling._FNS)
+  calls, real = [], sampling.get_generate_fn
+
+  def recording(cfg, scfg, *, batch, prompt_len, n_per_prompt=1, **kw):
+    calls.append((batch, prompt_len, n_per_prompt))
+    return real(cfg, scfg, batch=batch, prompt_len=prompt_len, n_per_prompt=n_per_prompt, **kw)
+
+  monkeypatch.setattr(sampling, "get_generate_fn", recording)
   batches, _, _ = R.rollout_step(tr.ctx, state.params, next(tr.train_iter),
                                  state_lib.stream_key(state.rng, "sample", 0))
   want = shapes.update_shapes(tr.parts, batch_shards=1)
@@ -67,10 +73,9 @@ def test_the_step_pads_to_the_shape_model(tmp_path, small, one_device_mesh):
   for name, b in batches.items():
     assert b.num_rows == want[name].rows, name
     assert b.prompt_len <= want[name].prompt_len and b.response_len == want[name].response_len
-  compiled = [k for k in sampling._FNS if k not in before] or list(sampling._FNS)
   largest = shapes.sampler_shapes(tr.parts, batch_shards=1)
-  for key in compiled:  # (cfg, static, batch, prompt_len, n, mesh, rules)
-    batch, prompt_len, n = key[2], key[3], key[4]
+  assert len(calls) == 2  # round 1 and round 2
+  for batch, prompt_len, n in calls:
     assert any(batch <= s.prompts and prompt_len <= s.prompt_len and n == s.n
                for s in largest.values()), (batch, prompt_len, n)
   tr.close()
