@@ -1,0 +1,368 @@
+"""The engine's jitted programs: pool init, prefill into pages, the decode window.
+
+Device state is only the page pool; everything else (which row sits where, its
+position, step, key and pages) lives on the host and comes in as small arrays
+with every call, so the programs are pure functions of their inputs:
+
+    pool = init_pool()                                   one array per layer
+    pool = prefill(params, pool, tokens[B, C], start[B], n_valid[B],
+                   page_table[B, pb], copy_src[Sh*c], copy_dst[Sh*c])
+    pool, tokens[B, W], logprobs[B, W], step[B], done[B], steps = window(
+        params, pool, last[B], pos[B], step[B], limit[B], keys[B, 2], sids[B],
+        live[B], page_table[B, pb], temperature, top_p, stop_ids, min_done,
+        shrink_to[, logit_bias[B, V]])
+
+Pool (per layer; ``[Sh, L, N, ...]`` stacked when the layers run in a loop)::
+
+    [Sh, N, page_size, 2K, Dh]   Sh = batch shards (dcn*data*fsdp), N pages per shard
+
+sharded over the batch axes on Sh and over the kv-head rule (``kv_heads``,
+i.e. ``tensor``) on 2K when it divides both H and K. Rows ``[B] = [Sh * r]``
+are laid out shard-major: rows ``[s*r, (s+1)*r)`` live on shard s and their
+page tables hold page ids of shard s's pool. The write + attention of a layer
+runs per shard inside ``jax.shard_map`` (a row never reads another shard's
+pages; the Pallas kernel cannot be partitioned by GSPMD anyway).
+
+Window (``W = EngineConfig.window`` steps at most, no host round trip): every
+step feeds each live row's last token at its position (writing its key/value
+into its page first), draws the next token with ``sampling._choose`` from
+``u = uniform(fold_in(fold_in(key_row, t_row), sid_row))`` (t_row the row's own
+step: the static sampler's key contract), and stops a row on a stop token or at
+its ``limit``. The loop ends after W steps, when no row is live, once
+``min_done`` rows have stopped (a refill pays: the host passes B + 1 when no
+request is waiting), or once every shard's live rows fit ``shrink_to`` rows
+(the next smaller row bucket; -1 = off).
+
+Prefill writes the keys / values of prompt tokens ``[start, start + n_valid)``
+of each row into its pages (queries attend to earlier chunks through the pages),
+then copies pages ``copy_src -> copy_dst`` (per shard): the partially filled
+last prompt page of a group, one private copy per extra sample. The prompt's
+last token is not prefilled: the window feeds it as the row's first step, which
+gives step 0's logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import threading
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fbos_jax import sampling
+from fbos_jax import sharding as sh
+from fbos_jax.model import paged_attention as PA
+from fbos_jax.model import qwen
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Everything a compiled engine program depends on besides the array shapes."""
+  page_size: int
+  window: int
+  greedy: bool
+  top_k: int
+  use_top_p: bool
+  num_stop_slots: int
+  pad_id: int
+  unroll: bool
+  cache_dtype: Optional[str]
+  impl: str  # "xla" | "pallas"
+  shards: int
+  bias: bool
+  device_kind: Optional[str]  # target chip (Pallas block sizes)
+
+
+def _rules(rules):
+  return sh.DEFAULT_RULES if rules is None else rules
+
+
+def _axes_of(mesh, entry):
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def batch_entry(mesh):
+  """The mesh axes of the pool's shard axis (and of the rows): the batch axes > 1."""
+  if mesh is None:
+    return None
+  kept = tuple(a for a in sh.BATCH_AXES if mesh.shape[a] > 1)
+  return kept[0] if len(kept) == 1 else (kept or None)
+
+
+def head_entry(mesh, rules, cfg: qwen.ModelConfig):
+  """The mesh axes of the kv heads (the ``kv_heads`` rule) when they divide H and K."""
+  if mesh is None:
+    return None
+  target = sh.rules_dict(_rules(rules)).get("kv_heads")
+  axes = tuple(a for a in _axes_of(mesh, target) if mesh.shape[a] > 1)
+  size = math.prod(mesh.shape[a] for a in axes) if axes else 1
+  if not axes or cfg.num_kv_heads % size or cfg.num_heads % size:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+def pool_specs(cfg: qwen.ModelConfig, st: Static, mesh, rules):
+  """PartitionSpec of each pool array."""
+  bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+  if st.unroll:
+    return tuple(P(bat, None, None, hd, None) for _ in range(cfg.num_layers))
+  return P(bat, None, None, None, hd, None)
+
+
+def pool_shapes(cfg: qwen.ModelConfig, st: Static, pages_per_shard: int):
+  dt = jnp.dtype(st.cache_dtype) if st.cache_dtype else cfg.dtype
+  per = (st.shards, pages_per_shard, st.page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+  if st.unroll:
+    return tuple(jax.ShapeDtypeStruct(per, dt) for _ in range(cfg.num_layers))
+  return jax.ShapeDtypeStruct((st.shards, cfg.num_layers) + per[1:], dt)
+
+
+def pool_bytes(cfg: qwen.ModelConfig, st: Static, pages_per_shard: int) -> int:
+  return sum(math.prod(a.shape) * a.dtype.itemsize
+             for a in jax.tree.leaves(pool_shapes(cfg, st, pages_per_shard)))
+
+
+# ----------------------------------------------------------------------------- per-shard work
+
+
+def _shard_mapped(fn, mesh, in_specs, out_specs):
+  """fn over every batch shard (and kv-head shard): shard_map on a mesh, else as is
+  (one shard: the leading axis has size 1 either way)."""
+  if mesh is None or mesh.size == 1:
+    return fn
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _make_attend(cfg, st: Static, mesh, rules, page_table, wpage, wslot, q_pos):
+  """The ``attend`` callback of qwen.paged_forward. Rows are flat [B]; page_table
+  [B, pb]; wpage, wslot, q_pos [B, T]. Per shard: write k/v, attend."""
+  b, t = q_pos.shape
+  r = b // st.shards
+  bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+  rows = lambda x: x.reshape((st.shards, r) + x.shape[1:])
+  meta = (rows(page_table), rows(wpage), rows(wslot), rows(q_pos))
+  meta_specs = (P(bat, None, None),) * 4
+  qkv_spec = P(bat, None, None, hd, None)
+  dt = cfg.dtype
+
+  def local(q, k, v, pages, table, wp, ws, qp, layer):
+    # leading axis: this shard (size 1)
+    stacked = pages.ndim == 6
+    pg = pages[0]
+    li = layer if stacked else None
+    pg = PA.write(pg, k[0], v[0], wp[0], ws[0], layer=li)
+    out = PA.attend(st.impl, q[0], pg, table[0], qp[0], layer=li, dtype=dt,
+                    device_kind=st.device_kind)
+    return out[None], pg[None]
+
+  def attend(layer, q, k, v, pool):
+    stacked = not st.unroll
+    pages = pool if stacked else pool[layer]
+    pspec = (P(bat, None, None, None, hd, None) if stacked else P(bat, None, None, hd, None))
+    fn = _shard_mapped(local, mesh,
+                       (qkv_spec, qkv_spec, qkv_spec, pspec) + meta_specs + (P(),),
+                       (qkv_spec, pspec))
+    lidx = jnp.asarray(layer, jnp.int32)
+    out, pages = fn(rows(q), rows(k), rows(v), pages, *meta, lidx)
+    out = out.reshape((b,) + out.shape[2:])
+    if stacked:
+      return out, pages
+    pool = tuple(pages if i == layer else x for i, x in enumerate(pool))
+    return out, pool
+
+  return attend
+
+
+def _copy_pages(cfg, st: Static, mesh, rules, pool, src, dst):
+  """pool[shard][dst] = pool[shard][src] for each layer; src, dst [Sh, c]."""
+  bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+
+  def local(pages, s, d):
+    pg = pages[0]
+    if pg.ndim == 5:  # stacked layers [L, N, ...]
+      pg = pg.at[:, d[0]].set(pg[:, s[0]])
+    else:
+      pg = pg.at[d[0]].set(pg[s[0]])
+    return pg[None]
+
+  def one(pages, spec):
+    return _shard_mapped(local, mesh, (spec, P(bat, None), P(bat, None)), spec)(pages, src, dst)
+
+  specs = pool_specs(cfg, st, mesh, rules)
+  if st.unroll:
+    return tuple(one(x, s) for x, s in zip(pool, specs))
+  return one(pool, specs)
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+def _constrainer(mesh, rules):
+  rules = _rules(rules)
+  return lambda x, axes: sh.constrain(x, mesh, axes, rules)
+
+
+def _prep_params(params, cfg, st, mesh, rules):
+  con = _constrainer(mesh, rules)
+  if mesh is not None:
+    params = jax.tree.map(con, params, qwen.param_logical_axes(cfg),
+                          is_leaf=lambda x: isinstance(x, jax.Array))
+  return qwen.split_layers(params) if st.unroll else params
+
+
+def _con_pool(pool, cfg, st, mesh, rules):
+  if mesh is None:
+    return pool
+  specs = pool_specs(cfg, st, mesh, rules)
+  return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)),
+                      pool, specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _logits_fn(params, cfg):
+  """[B, D] -> [B, V] float32, the static sampler's arithmetic (a tied model
+  multiplies by the embedding as stored)."""
+  dt = cfg.dtype
+  if cfg.tie_embeddings:
+    unembed, spec = params["embed"].astype(dt), "bd,vd->bv"
+  else:
+    unembed, spec = params["unembed"].astype(dt), "bd,dv->bv"
+  return lambda h: jnp.einsum(spec, h, unembed, preferred_element_type=jnp.float32)
+
+
+def _init_pool(*, cfg, st, pages_per_shard, mesh, rules):
+  pool = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), pool_shapes(cfg, st, pages_per_shard))
+  return _con_pool(pool, cfg, st, mesh, rules)
+
+
+def _prefill(params, pool, tokens, start, n_valid, page_table, copy_src, copy_dst, *, cfg,
+             st: Static, mesh, rules):
+  """tokens [B, C], start / n_valid [B], page_table [B, pb], copy_src/dst [Sh * c]."""
+  b, c = tokens.shape
+  run_params = _prep_params(params, cfg, st, mesh, rules)
+  positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
+  valid = jnp.arange(c, dtype=jnp.int32)[None, :] < n_valid[:, None]
+  wpage, wslot = PA.write_targets(page_table, positions, valid, st.page_size)
+  attend = _make_attend(cfg, st, mesh, rules, page_table, wpage, wslot, positions)
+  _, pool = qwen.paged_forward(run_params, tokens, positions, cfg, pool, attend)
+  src = copy_src.reshape(st.shards, -1)
+  dst = copy_dst.reshape(st.shards, -1)
+  pool = _copy_pages(cfg, st, mesh, rules, pool, src, dst)
+  return _con_pool(pool, cfg, st, mesh, rules)
+
+
+def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, temperature,
+            top_p, stop_ids, min_done, shrink_to, logit_bias=None, *, cfg, st: Static, mesh,
+            rules):
+  """See the module docstring. Rows [B]; returns (pool, tokens [B, W], logprobs [B, W],
+  step [B], done [B], steps run)."""
+  b = last.shape[0]
+  w = st.window
+  con = _constrainer(mesh, rules)
+  run_params = _prep_params(params, cfg, st, mesh, rules)
+  logits_of = _logits_fn(run_params, cfg)
+  pad = jnp.int32(st.pad_id)
+  bias = None if logit_bias is None else con(logit_bias.astype(jnp.float32), ("batch", None))
+  sids = sids.astype(jnp.uint32)
+
+  def is_stop(tok):
+    if not st.num_stop_slots:
+      return jnp.zeros(tok.shape, bool)
+    return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+  def draw(logits, step):
+    logits = sampling.add_logit_bias(logits, bias)
+    u = None
+    if not st.greedy:
+      u = jax.vmap(lambda k, t, s: jax.random.uniform(
+          jax.random.fold_in(jax.random.fold_in(k, t), s), (), jnp.float32))(keys, step, sids)
+    return sampling._choose(logits, None, temperature, top_p, greedy=st.greedy, top_k=st.top_k,
+                            use_top_p=st.use_top_p, u=u)
+
+  def body(c):
+    i, last, pos, step, done, n_done, pool, toks, lps = c
+    alive = jnp.logical_not(done)
+    positions = pos[:, None]
+    wpage, wslot = PA.write_targets(page_table, positions, alive[:, None], st.page_size)
+    attend = _make_attend(cfg, st, mesh, rules, page_table, wpage, wslot, positions)
+    hidden, pool = qwen.paged_forward(run_params, last[:, None], positions, cfg, pool, attend)
+    tok, lp = draw(logits_of(hidden[:, 0]), step)
+    tok = jnp.where(alive, tok, pad)
+    lp = jnp.where(alive, lp, 0.0)
+    toks = jax.lax.dynamic_update_slice(toks, tok[:, None], (0, i))
+    lps = jax.lax.dynamic_update_slice(lps, lp[:, None], (0, i))
+    inc = alive.astype(jnp.int32)
+    step = step + inc
+    pos = pos + inc
+    now_done = done | (alive & (is_stop(tok) | (step >= limit)))
+    n_done = n_done + jnp.sum((now_done & alive).astype(jnp.int32))
+    last = jnp.where(alive, tok, last)
+    return (i + 1, con(last, ("batch",)), con(pos, ("batch",)), con(step, ("batch",)),
+            con(now_done, ("batch",)), n_done, _con_pool(pool, cfg, st, mesh, rules),
+            con(toks, ("batch", None)), con(lps, ("batch", None)))
+
+  def cond(c):
+    i, done, n_done = c[0], c[4], c[5]
+    alive = jnp.logical_not(done).astype(jnp.int32).reshape(st.shards, -1)
+    return ((i < w) & (jnp.sum(alive) > 0) & (n_done < min_done)
+            & (jnp.max(jnp.sum(alive, axis=1)) > shrink_to))
+
+  toks = con(jnp.full((b, w), pad, jnp.int32), ("batch", None))
+  lps = con(jnp.zeros((b, w), jnp.float32), ("batch", None))
+  done = jnp.logical_not(live.astype(bool))
+  carry = (jnp.int32(0), last, pos, step, done, jnp.int32(0), pool, toks, lps)
+  i, _, _, step, done, _, pool, toks, lps = jax.lax.while_loop(cond, body, carry)
+  return pool, toks, lps, step, done, i
+
+
+_LOCK = threading.Lock()
+_FNS: dict = {}
+
+
+def _rules_key(rules):
+  return sampling._rules_key(rules)
+
+
+def get_fn(kind: str, cfg: qwen.ModelConfig, st: Static, *, mesh=None, rules=None,
+           pages_per_shard: int = 0):
+  """The jitted program ``kind`` ('init', 'prefill', 'window'), built once per
+  (model config, static options, mesh, rules) and cached; one compile per shape
+  bucket."""
+  key = (kind, cfg, st, mesh, _rules_key(rules), pages_per_shard if kind == "init" else 0)
+  with _LOCK:
+    fn = _FNS.get(key)
+    if fn is None:
+      common = dict(cfg=cfg, st=st, mesh=mesh, rules=rules)
+      if kind == "init":
+        out = None
+        if mesh is not None:
+          out = jax.tree.map(lambda s: NamedSharding(mesh, s), pool_specs(cfg, st, mesh, rules),
+                             is_leaf=lambda x: isinstance(x, P))
+        fn = jax.jit(functools.partial(_init_pool, pages_per_shard=pages_per_shard, **common),
+                     out_shardings=out)
+      elif kind == "prefill":
+        fn = jax.jit(functools.partial(_prefill, **common), donate_argnums=(1,))
+      elif kind == "window":
+        fn = jax.jit(functools.partial(_window, **common), donate_argnums=(1,))
+      else:
+        raise ValueError(kind)
+      _FNS[key] = fn
+  return fn
+
+
+def compiled_programs() -> int:
+  """How many engine programs have been compiled in this process (all kinds and buckets)."""
+  with _LOCK:
+    fns = list(_FNS.values())
+  return int(sum(f._cache_size() for f in fns))
+
+
+def clear_cache():
+  with _LOCK:
+    _FNS.clear()
