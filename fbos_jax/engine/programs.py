@@ -6,7 +6,7 @@ with every call, so the programs are pure functions of their inputs:
 
     pool = init_pool()                                   one array per layer
     pool = prefill(params, pool, tokens[B, C], start[B], n_valid[B],
-                   page_table[B, pb], copy_src[Sh*c], copy_dst[Sh*c])
+                   page_table[B, pb], tail[B], copies[B, c])
     pool, tokens[B, W], logprobs[B, W], step[B], done[B], steps = window(
         params, pool, last[B], pos[B], step[B], limit[B], keys[B, 2], sids[B],
         live[B], page_table[B, pb], temperature, top_p, stop_ids, min_done,
@@ -34,11 +34,12 @@ request is waiting), or once every shard's live rows fit ``shrink_to`` rows
 (the next smaller row bucket; -1 = off).
 
 Prefill writes the keys / values of prompt tokens ``[start, start + n_valid)``
-of each row into its pages (queries attend to earlier chunks through the pages),
-then copies pages ``copy_src -> copy_dst`` (per shard): the partially filled
-last prompt page of a group, one private copy per extra sample. The prompt's
-last token is not prefilled: the window feeds it as the row's first step, which
-gives step 0's logits.
+of each row into its pages (queries attend to earlier chunks through the pages).
+The tokens of a group's partially filled last prompt page are also written into
+that page's private copies, one per extra sample (a scatter of the new values:
+copying a page inside the pool, ``pool.at[dst].set(pool[src])``, makes XLA copy
+the whole pool). The prompt's last token is not prefilled: the window feeds it
+as the row's first step, which gives step 0's logits.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fbos_jax import sampling
 from fbos_jax import sharding as sh
+from fbos_jax.model import attention as attn_lib
 from fbos_jax.model import paged_attention as PA
 from fbos_jax.model import qwen
 
@@ -140,24 +142,34 @@ def _shard_mapped(fn, mesh, in_specs, out_specs):
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def _make_attend(cfg, st: Static, mesh, rules, page_table, wpage, wslot, q_pos):
+def _make_attend(cfg, st: Static, mesh, rules, page_table, wpage, wslot, q_pos, extra=None):
   """The ``attend`` callback of qwen.paged_forward. Rows are flat [B]; page_table
-  [B, pb]; wpage, wslot, q_pos [B, T]. Per shard: write k/v, attend."""
+  [B, pb]; wpage, wslot, q_pos [B, T]. Per shard: write k/v, attend. ``extra``:
+  (page, slot) [B, T, c], more places each token is written to (the private
+  copies of a prompt's partial last page; unused entries: the null page)."""
   b, t = q_pos.shape
   r = b // st.shards
   bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
   rows = lambda x: x.reshape((st.shards, r) + x.shape[1:])
-  meta = (rows(page_table), rows(wpage), rows(wslot), rows(q_pos))
-  meta_specs = (P(bat, None, None),) * 4
+  if extra is None:
+    extra = (jnp.zeros((b, t, 0), jnp.int32),) * 2
+  meta = (rows(page_table), rows(wpage), rows(wslot), rows(q_pos), rows(extra[0]),
+          rows(extra[1]))
+  meta_specs = (P(bat, None, None),) * 4 + (P(bat, None, None, None),) * 2
   qkv_spec = P(bat, None, None, hd, None)
   dt = cfg.dtype
 
-  def local(q, k, v, pages, table, wp, ws, qp, layer):
+  def local(q, k, v, pages, table, wp, ws, qp, ep, es, layer):
     # leading axis: this shard (size 1)
     stacked = pages.ndim == 6
     pg = pages[0]
     li = layer if stacked else None
     pg = PA.write(pg, k[0], v[0], wp[0], ws[0], layer=li)
+    c = ep.shape[-1]
+    if c:  # the same values again, at the extra places (updates from k/v, not the pool)
+      rep = lambda x: jnp.repeat(x[0], c, axis=1)  # [r, T * c, K, Dh]
+      pg = PA.write(pg, rep(k), rep(v), ep[0].reshape(ep.shape[1], -1),
+                    es[0].reshape(es.shape[1], -1), layer=li)
     out = PA.attend(st.impl, q[0], pg, table[0], qp[0], layer=li, dtype=dt,
                     device_kind=st.device_kind)
     return out[None], pg[None]
@@ -180,25 +192,95 @@ def _make_attend(cfg, st: Static, mesh, rules, page_table, wpage, wslot, q_pos):
   return attend
 
 
-def _copy_pages(cfg, st: Static, mesh, rules, pool, src, dst):
-  """pool[shard][dst] = pool[shard][src] for each layer; src, dst [Sh, c]."""
+def _dense_specs(mesh, rules, cfg):
   bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+  return P(bat, None, hd, None, None), P(bat, None, hd, None, None)
 
-  def local(pages, s, d):
-    pg = pages[0]
-    if pg.ndim == 5:  # stacked layers [L, N, ...]
-      pg = pg.at[:, d[0]].set(pg[:, s[0]])
-    else:
-      pg = pg.at[d[0]].set(pg[s[0]])
-    return pg[None]
 
-  def one(pages, spec):
-    return _shard_mapped(local, mesh, (spec, P(bat, None), P(bat, None)), spec)(pages, src, dst)
+def _gather_dense(cfg, st: Static, mesh, rules, pool, page_table):
+  """The rows' pages as a dense per-row cache for one window (the XLA path):
+  per layer (k [B, K, Dh, S], v [B, K, S, Dh]) with S = pb * page_size, the
+  layout of the static sampler's cache (qwen.KVCache)."""
+  b, pb = page_table.shape
+  r = b // st.shards
+  bat = batch_entry(mesh)
+  kspec, vspec = _dense_specs(mesh, rules, cfg)
+
+  def local(pages, table, layer):
+    li = layer if pages.ndim == 6 else None
+    k, v = PA.gather(pages[0], table[0], li)  # [r, S, K, Dh]
+    return k.transpose(0, 2, 3, 1)[None], v.transpose(0, 2, 1, 3)[None]
+
+  def one(pages, spec, layer):
+    fn = _shard_mapped(local, mesh, (spec, P(bat, None, None), P()), (kspec, vspec))
+    k, v = fn(pages, page_table.reshape(st.shards, r, pb), jnp.int32(layer))
+    return k.reshape((b,) + k.shape[2:]), v.reshape((b,) + v.shape[2:])
 
   specs = pool_specs(cfg, st, mesh, rules)
   if st.unroll:
-    return tuple(one(x, s) for x, s in zip(pool, specs))
-  return one(pool, specs)
+    kv = [one(x, sp, 0) for x, sp in zip(pool, specs)]
+  else:
+    kv = [one(pool, specs, l) for l in range(cfg.num_layers)]
+  return tuple(k for k, _ in kv), tuple(v for _, v in kv)
+
+
+def _write_back(cfg, st: Static, mesh, rules, pool, dense, page_table, pos0, count):
+  """After a window: the ``count[b]`` new tokens of each row (positions
+  ``pos0[b] + i``) from the dense cache into their pages."""
+  b, pb = page_table.shape
+  r = b // st.shards
+  w = st.window
+  bat = batch_entry(mesh)
+  kspec, vspec = _dense_specs(mesh, rules, cfg)
+  s_len = pb * st.page_size
+  i = jnp.arange(w, dtype=jnp.int32)[None, :]
+  positions = pos0[:, None] + i  # [B, W]
+  page, slot = PA.write_targets(page_table, positions, i < count[:, None], st.page_size)
+  idx = jnp.clip(positions, 0, s_len - 1)
+  rows = lambda x: x.reshape((st.shards, r) + x.shape[1:])
+
+  def local(pages, k, v, ix, pg, sl, layer):
+    kn = jnp.take_along_axis(k[0], ix[0][:, None, None, :], axis=3).transpose(0, 3, 1, 2)
+    vn = jnp.take_along_axis(v[0], ix[0][:, None, :, None], axis=2).transpose(0, 2, 1, 3)
+    li = layer if pages.ndim == 6 else None
+    return PA.write(pages[0], kn, vn, pg[0], sl[0], layer=li)[None]
+
+  def one(pages, spec, k, v, layer):
+    fn = _shard_mapped(local, mesh, (spec, kspec, vspec) + (P(bat, None, None),) * 3 + (P(),),
+                       spec)
+    return fn(pages, rows(k), rows(v), rows(idx), rows(page), rows(slot), jnp.int32(layer))
+
+  specs = pool_specs(cfg, st, mesh, rules)
+  ks, vs = dense
+  if st.unroll:
+    return tuple(one(x, sp, k, v, 0) for x, sp, k, v in zip(pool, specs, ks, vs))
+  for l in range(cfg.num_layers):
+    pool = one(pool, specs, ks[l], vs[l], l)
+  return pool
+
+
+def _make_attend_dense(cfg, pos, alive):
+  """``attend`` over the window's dense cache (a tuple of per-layer (k, v)): write the
+  new token of each live row at its position, then the static sampler's dense
+  attention with row ``b`` seeing positions ``<= pos[b]``."""
+  b = pos.shape[0]
+  rows_i = jnp.arange(b, dtype=jnp.int32)
+
+  def attend(layer, q, k, v, cache):
+    ks, vs = cache
+    kt, vt = ks[layer], vs[layer]
+    s_len = kt.shape[-1]
+    at = jnp.where(alive, pos, s_len)  # dead rows: dropped (out-of-bounds scatter)
+    kt = kt.at[rows_i, :, :, at].set(k[:, 0].astype(kt.dtype), mode="drop")
+    vt = vt.at[rows_i, :, at, :].set(v[:, 0].astype(vt.dtype), mode="drop")
+    valid = jnp.arange(s_len, dtype=jnp.int32)[None, :] <= pos[:, None]
+    out = attn_lib.dense(q, kt.astype(cfg.dtype), vt.astype(cfg.dtype), valid,
+                         q_offset=s_len - 1, cache_layout=True, dtype=cfg.dtype)
+    ks = ks[:layer] + (kt,) + ks[layer + 1:]
+    vs = vs[:layer] + (vt,) + vs[layer + 1:]
+    return out, (ks, vs)
+
+  return attend
 
 
 # ----------------------------------------------------------------------------- programs
@@ -241,19 +323,23 @@ def _init_pool(*, cfg, st, pages_per_shard, mesh, rules):
   return _con_pool(pool, cfg, st, mesh, rules)
 
 
-def _prefill(params, pool, tokens, start, n_valid, page_table, copy_src, copy_dst, *, cfg,
+def _prefill(params, pool, tokens, start, n_valid, page_table, tail, copies, *, cfg,
              st: Static, mesh, rules):
-  """tokens [B, C], start / n_valid [B], page_table [B, pb], copy_src/dst [Sh * c]."""
+  """tokens [B, C], start / n_valid [B], page_table [B, pb]; tail [B]: the logical
+  index of the row's partially filled last prompt page (-1: none); copies [B, c]:
+  that page's private copies (one per extra sample; the null page when unused),
+  which get the same keys / values as the page itself."""
   b, c = tokens.shape
   run_params = _prep_params(params, cfg, st, mesh, rules)
   positions = start[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
   valid = jnp.arange(c, dtype=jnp.int32)[None, :] < n_valid[:, None]
   wpage, wslot = PA.write_targets(page_table, positions, valid, st.page_size)
-  attend = _make_attend(cfg, st, mesh, rules, page_table, wpage, wslot, positions)
+  in_tail = valid & (positions // st.page_size == tail[:, None])  # [B, C]
+  epage = jnp.where(in_tail[:, :, None], copies[:, None, :], PA.NULL_PAGE).astype(jnp.int32)
+  eslot = jnp.broadcast_to(wslot[:, :, None], epage.shape)
+  attend = _make_attend(cfg, st, mesh, rules, page_table, wpage, wslot, positions,
+                        extra=(epage, eslot))
   _, pool = qwen.paged_forward(run_params, tokens, positions, cfg, pool, attend)
-  src = copy_src.reshape(st.shards, -1)
-  dst = copy_dst.reshape(st.shards, -1)
-  pool = _copy_pages(cfg, st, mesh, rules, pool, src, dst)
   return _con_pool(pool, cfg, st, mesh, rules)
 
 
@@ -285,13 +371,27 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
     return sampling._choose(logits, None, temperature, top_p, greedy=st.greedy, top_k=st.top_k,
                             use_top_p=st.use_top_p, u=u)
 
+  dense = st.impl == "xla"  # XLA: one gather per window into a dense per-row cache
+  if dense:
+    cache = _gather_dense(cfg, st, mesh, rules, pool, page_table)
+    kax = ("batch", "kv_heads", "head_dim", "cache_seq")
+    vax = ("batch", "kv_heads", "cache_seq", "head_dim")
+    con_cache = lambda c: (tuple(con(x, kax) for x in c[0]), tuple(con(x, vax) for x in c[1]))
+  else:
+    cache = pool
+    con_cache = lambda c: _con_pool(c, cfg, st, mesh, rules)
+  run_params = qwen.split_layers(run_params) if dense else run_params  # per-layer cache tuple
+
   def body(c):
-    i, last, pos, step, done, n_done, pool, toks, lps = c
+    i, last, pos, step, done, n_done, cache, toks, lps = c
     alive = jnp.logical_not(done)
     positions = pos[:, None]
-    wpage, wslot = PA.write_targets(page_table, positions, alive[:, None], st.page_size)
-    attend = _make_attend(cfg, st, mesh, rules, page_table, wpage, wslot, positions)
-    hidden, pool = qwen.paged_forward(run_params, last[:, None], positions, cfg, pool, attend)
+    if dense:
+      attend = _make_attend_dense(cfg, pos, alive)
+    else:
+      wpage, wslot = PA.write_targets(page_table, positions, alive[:, None], st.page_size)
+      attend = _make_attend(cfg, st, mesh, rules, page_table, wpage, wslot, positions)
+    hidden, cache = qwen.paged_forward(run_params, last[:, None], positions, cfg, cache, attend)
     tok, lp = draw(logits_of(hidden[:, 0]), step)
     tok = jnp.where(alive, tok, pad)
     lp = jnp.where(alive, lp, 0.0)
@@ -304,7 +404,7 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
     n_done = n_done + jnp.sum((now_done & alive).astype(jnp.int32))
     last = jnp.where(alive, tok, last)
     return (i + 1, con(last, ("batch",)), con(pos, ("batch",)), con(step, ("batch",)),
-            con(now_done, ("batch",)), n_done, _con_pool(pool, cfg, st, mesh, rules),
+            con(now_done, ("batch",)), n_done, con_cache(cache),
             con(toks, ("batch", None)), con(lps, ("batch", None)))
 
   def cond(c):
@@ -316,9 +416,13 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
   toks = con(jnp.full((b, w), pad, jnp.int32), ("batch", None))
   lps = con(jnp.zeros((b, w), jnp.float32), ("batch", None))
   done = jnp.logical_not(live.astype(bool))
-  carry = (jnp.int32(0), last, pos, step, done, jnp.int32(0), pool, toks, lps)
-  i, _, _, step, done, _, pool, toks, lps = jax.lax.while_loop(cond, body, carry)
-  return pool, toks, lps, step, done, i
+  carry = (jnp.int32(0), last, pos, step, done, jnp.int32(0), con_cache(cache), toks, lps)
+  i, _, _, new_step, done, _, cache, toks, lps = jax.lax.while_loop(cond, body, carry)
+  if dense:
+    pool = _write_back(cfg, st, mesh, rules, pool, cache, page_table, pos, new_step - step)
+  else:
+    pool = cache
+  return _con_pool(pool, cfg, st, mesh, rules), toks, lps, new_step, done, i
 
 
 _LOCK = threading.Lock()

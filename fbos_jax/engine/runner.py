@@ -36,6 +36,7 @@ row; while some feed is open and nothing is runnable anywhere, all wait
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import time
 from typing import Optional, Sequence, Union
@@ -252,7 +253,7 @@ class Engine:
       shared = self.pages.alloc(s, full, refs=take)
       tail = self.pages.alloc(s, 1 + (take - 1)) if partial else []
       prompt_pages = shared + tail[:1]
-      copies = [(tail[0], t) for t in tail[1:]]
+      copies = tail[1:]  # private copies of the partial last page
       if f:
         pieces.append(_Piece(s, w.prompt[:f], prompt_pages, copies))
       for a, j in enumerate(js):
@@ -272,21 +273,19 @@ class Engine:
       per_shard = [[p for p in todo if p.shard == s] for s in range(self.local_shards)]
       clen = max((min(self.chunk, p.tokens.size - p.done) for p in todo), default=1)
       pages = max((-(-min(p.tokens.size, p.done + self.chunk) // ps) for p in todo), default=1)
-      last = [p for p in todo if p.tokens.size - p.done <= self.chunk]  # their final chunk
-      copies = max((sum(len(p.copies) for p in last if p.shard == s)
-                    for s in range(self.local_shards)), default=0)
-      g = self._agree(max(map(len, per_shard)), clen, pages, copies).max(0)
+      ncopy = max((len(p.copies) for p in todo), default=0)
+      g = self._agree(max(map(len, per_shard)), clen, pages, ncopy).max(0)
       bp = _bucket(g[0], self.row_buckets, "prefill rows", "engine.row_buckets")
       c = _bucket(g[1], self.prefill_buckets, "prefill chunk", "engine.prefill_buckets")
       pb = _bucket(g[2], self.page_buckets, "page-table width", "engine.page_buckets")
-      nc = _bucket(g[3], pow2_buckets(self.sps), "page copies", "")
+      nc = _bucket(g[3], pow2_buckets(self.sps), "page copies", "") if g[3] else 0
       n = self.local_shards * bp
       tok = np.full((n, c), self.scfg.pad_id, np.int32)
       start = np.zeros((n,), np.int32)
       nvalid = np.zeros((n,), np.int32)
       table = np.full((n, pb), _NULL, np.int32)
-      src = np.full((self.local_shards * nc,), _NULL, np.int32)
-      dst = np.full((self.local_shards * nc,), _NULL, np.int32)
+      tail = np.full((n,), -1, np.int32)
+      copies = np.full((n, nc), _NULL, np.int32)
       for s, ps_list in enumerate(per_shard):
         for i, p in enumerate(ps_list):
           r = s * bp + i
@@ -295,13 +294,13 @@ class Engine:
           start[r], nvalid[r] = p.done, k
           used = p.pages[:pb]
           table[r, :len(used)] = used
-        pairs = [cp for p in last if p.shard == s for cp in p.copies]
-        for i, (a, b) in enumerate(pairs):
-          src[s * nc + i], dst[s * nc + i] = a, b
+          if p.copies:
+            tail[r] = len(p.pages) - 1
+            copies[r, :len(p.copies)] = p.copies
       with self._mesh_ctx():
         pool = self._fn("prefill")(params, pool, self._put(tok), self._put(start),
-                                   self._put(nvalid), self._put(table), self._put(src),
-                                   self._put(dst))
+                                   self._put(nvalid), self._put(table), self._put(tail),
+                                   self._put(copies))
       for p in todo:
         p.done = min(p.tokens.size, p.done + self.chunk)
       stats.prefills += 1
@@ -309,7 +308,6 @@ class Engine:
     return pool
 
   def _mesh_ctx(self):
-    import contextlib
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   # ------------------------------------------------------------------------- the loop
@@ -409,11 +407,13 @@ class Engine:
              np.int32(min_done), np.int32(shrink_to)]
     if bias is not None:
       args.append(self._put(bias))
+    t0 = time.perf_counter()
     with self._mesh_ctx():
       pool, toks, lps, new_step, done, steps = self._fn("window")(*args)
     toks, lps = self._read(toks, n), self._read(lps, n)
     new_step, done = self._read(new_step, n), self._read(done, n)
     steps = int(steps)
+    stats.window_s += time.perf_counter() - t0
     stats.windows += 1
     stats.slot_steps += n * steps
     finished = []

@@ -160,7 +160,9 @@ class EngineStats:
   steps); pages_peak: the most pages in use at once (this process);
   windows / refills / prefills: decode windows, admission rounds that admitted a
   row, prefill calls; verify_wait_s: time the engine had nothing to run and
-  waited on its feed (e.g. for verdicts); wall_s: time inside the engine."""
+  waited on its feed (e.g. for verdicts); window_s: time from each window's
+  dispatch until its results are on the host (device work, including the
+  prefills queued before it); wall_s: time inside the engine."""
   tokens: int = 0
   slot_steps: int = 0
   rows: int = 0
@@ -169,6 +171,7 @@ class EngineStats:
   refills: int = 0
   prefills: int = 0
   verify_wait_s: float = 0.0
+  window_s: float = 0.0
   wall_s: float = 0.0
 
   @property
