@@ -226,12 +226,14 @@ def test_a_pool_too_small_is_refused_with_the_numbers(tiny):
   _, cfg = tiny
   scfg = sampling.make_config(**GREEDY)  # prompts up to 12, 12 new tokens: 23 tokens, 6 pages
   with pytest.raises(E.EngineError) as e:
-    E.Engine(cfg, scfg, E.EngineConfig(slots=4, page_size=4, num_pages=20))
-  msg = str(e.value)
-  for part in ("engine.num_pages=20", "4 slots per shard", "6 pages per row", "= 25",
-               "engine.slots"):
+    E.Engine(cfg, scfg, E.EngineConfig(slots=4, page_size=4, window=4, num_pages=40))
+  msg = str(e.value)  # 4 x 6 + 4 staged x ceil((12 + 4 - 1) / 4) + 1 = 41
+  for part in ("engine.num_pages=40", "4 slots per shard", "6 pages per row",
+               "4 staged rows per shard", "x 4 pages", "= 41", "engine.slots", "engine.staged"):
     assert part in msg, msg
-  E.Engine(cfg, scfg, E.EngineConfig(slots=4, page_size=4, num_pages=25))  # just enough
+  E.Engine(cfg, scfg, E.EngineConfig(slots=4, page_size=4, window=4, num_pages=41))  # enough
+  with pytest.raises(E.EngineError, match="= 25"):  # without staging: 4 x 6 + 1
+    E.Engine(cfg, scfg, E.EngineConfig(slots=4, page_size=4, staged=0, num_pages=24))
   with pytest.raises(E.EngineError, match="multiple of the mesh's 4 batch shards"):
     E.Engine(cfg, scfg, E.EngineConfig(slots=6), mesh=sh.make_mesh({"data": 4, "tensor": 2}))
 
@@ -240,29 +242,43 @@ def test_a_pool_too_small_is_refused_with_the_numbers(tiny):
 
 
 def test_window_returns_early_for_a_refill_and_to_shrink(tiny):
-  """Called directly: rows with limits 2, 3, 9, 9. min_done=1 ends the window after
-  2 steps; shrink_to=2 once at most 2 rows are live (3 steps); neither: all 8."""
+  """Called directly: slot rows with limits 2, 3, 9, 9. min_idle=1 ends the window
+  after 2 steps; shrink_to=2 once at most 2 rows are live (3 steps); neither: all 8.
+  With one staged row of limit 4, the slot that stops first takes it at once (its
+  tokens come from source B + 0) and the window runs on."""
   params, cfg = tiny
   eng = E.Engine(cfg, sampling.make_config(**GREEDY),
-                 E.EngineConfig(slots=4, page_size=4, window=8, row_buckets=(4,),
+                 E.EngineConfig(slots=4, page_size=4, window=8, staged=1, row_buckets=(4,),
                                 page_buckets=(6,)))
   fn = eng._fn("window")
   table = np.asarray([[1, 2, 3, 0, 0, 0], [4, 5, 6, 0, 0, 0], [7, 8, 9, 0, 0, 0],
                       [10, 11, 12, 0, 0, 0]], np.int32)
+  i32 = lambda *x: np.asarray(x, np.int32)
 
-  def call(min_done, shrink_to):
+  def call(min_idle, shrink_to, staged=0):
     pool = eng._fn("init")()
-    out = fn(params, pool, np.asarray([3, 4, 5, 6], np.int32), np.zeros(4, np.int32),
-             np.zeros(4, np.int32), np.asarray([2, 3, 9, 9], np.int32),
-             np.zeros((4, 2), np.uint32), np.arange(4, dtype=np.uint32), np.ones(4, bool), table,
-             np.float32(1), np.float32(1), sampling.stop_id_array(()), np.int32(min_done),
+    q = max(staged, 1)
+    out = fn(params, pool, i32(3, 4, 5, 6), np.zeros(4, np.int32), np.zeros(4, np.int32),
+             i32(2, 3, 9, 9), np.zeros((4, 2), np.uint32), np.arange(4, dtype=np.uint32),
+             np.ones(4, bool), table, i32(7)[:q], i32(0)[:q], i32(0)[:q], i32(4)[:q],
+             np.zeros((q, 2), np.uint32), np.arange(q, dtype=np.uint32),
+             np.asarray([[13, 14, 0, 0, 0, 0]], np.int32)[:q], i32(staged),
+             np.float32(1), np.float32(1), sampling.stop_id_array(()), np.int32(min_idle),
              np.int32(shrink_to))
-    _, toks, _, step, done, steps = out
-    return int(steps), np.asarray(step).tolist(), np.asarray(done).tolist()
+    _, toks, _, srcs, final, nxt, steps = (np.asarray(x) for x in out)
+    return int(steps), srcs, final.tolist(), int(nxt[0])
 
-  assert call(1, -1) == (2, [2, 2, 2, 2], [True, False, False, False])
-  assert call(5, 2) == (3, [2, 3, 3, 3], [True, True, False, False])
-  assert call(5, -1) == (8, [2, 3, 8, 8], [True, True, False, False])
+  steps, srcs, final, _ = call(1, -1)
+  assert steps == 2 and final == [-1, 1, 2, 3]
+  steps, srcs, final, _ = call(5, 2)
+  assert steps == 3 and final == [-1, -1, 2, 3]
+  steps, srcs, final, _ = call(5, -1)
+  assert steps == 8 and final == [-1, -1, 2, 3]
+  steps, srcs, final, taken = call(1, -1, staged=1)
+  # slot 0 stops after 2 steps and takes the staged row (id B + 0 = 4) for its 4 tokens;
+  # slot 1 stops after 3 with nothing left to take: the refill ends the window
+  assert taken == 1 and steps == 3, (steps, srcs)
+  assert srcs[0, :3].tolist() == [0, 0, 4] and final == [4, -1, 2, 3]
 
 
 # ----------------------------------------------------------------------------- streaming

@@ -78,6 +78,7 @@ class Static:
   shards: int
   bias: bool
   device_kind: Optional[str]  # target chip (Pallas block sizes)
+  swaps: int  # staged rows a shard's idle slots may take per step
 
 
 def _rules(rules):
@@ -259,6 +260,26 @@ def _write_back(cfg, st: Static, mesh, rules, pool, dense, page_table, pos0, cou
   return pool
 
 
+def _swap_dense(cfg, st: Static, mesh, rules, cache, staged, slot_m, q_m):
+  """cache rows ``slot_m`` <- staged rows ``q_m`` per shard (slot_m [Sh, m], r = none)."""
+  bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+  kspec = vspec = P(bat, hd, None, None)  # flat rows [B, K, Dh, S] / [B, K, S, Dh]
+  ks, vs = cache
+  sk, sv = staged
+  nl = len(ks)
+
+  def local(sm, qm, *arrays):
+    out = []
+    for x, y in zip(arrays[:2 * nl], arrays[2 * nl:]):
+      out.append(x.at[sm[0]].set(y[qm[0]], mode="drop"))
+    return tuple(out)
+
+  specs = (kspec,) * nl + (vspec,) * nl
+  fn = _shard_mapped(local, mesh, (P(bat, None), P(bat, None)) + specs + specs, specs)
+  out = fn(slot_m, q_m, *ks, *vs, *sk, *sv)
+  return tuple(out[:nl]), tuple(out[nl:])
+
+
 def _make_attend_dense(cfg, pos, alive):
   """``attend`` over the window's dense cache (a tuple of per-layer (k, v)): write the
   new token of each live row at its position, then the static sampler's dense
@@ -343,86 +364,147 @@ def _prefill(params, pool, tokens, start, n_valid, page_table, tail, copies, *, 
   return _con_pool(pool, cfg, st, mesh, rules)
 
 
-def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, temperature,
-            top_p, stop_ids, min_done, shrink_to, logit_bias=None, *, cfg, st: Static, mesh,
+def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, s_last, s_pos,
+            s_step, s_limit, s_keys, s_sids, s_table, s_count, temperature, top_p, stop_ids,
+            min_idle, shrink_to, logit_bias=None, s_logit_bias=None, *, cfg, st: Static, mesh,
             rules):
-  """See the module docstring. Rows [B]; returns (pool, tokens [B, W], logprobs [B, W],
-  step [B], done [B], steps run)."""
+  """See the module docstring. Slots [B] = [Sh * r]; staged rows [Q] = [Sh * q] with
+  s_count [Sh] valid per shard. Returns (pool, tokens [B, W], logprobs [B, W],
+  sources [B, W], final source [B], staged rows consumed [Sh], steps run); a source
+  is the row that made a slot's token: b for the row in slot b at the start, B + k
+  for staged row k, -1 for an idle slot."""
   b = last.shape[0]
+  nq = s_last.shape[0]
+  shards = st.shards
+  r, q = b // shards, nq // shards
+  m = min(r, q, st.swaps)  # staged rows a shard can take per step
   w = st.window
   con = _constrainer(mesh, rules)
   run_params = _prep_params(params, cfg, st, mesh, rules)
   logits_of = _logits_fn(run_params, cfg)
   pad = jnp.int32(st.pad_id)
-  bias = None if logit_bias is None else con(logit_bias.astype(jnp.float32), ("batch", None))
-  sids = sids.astype(jnp.uint32)
+  row = ("batch",)
+
+  # row state of the slots and of the staged rows (same fields)
+  rs = dict(last=last, pos=pos, step=step, limit=limit, keys=keys, sids=sids.astype(jnp.uint32),
+            table=page_table)
+  ss = dict(last=s_last, pos=s_pos, step=s_step, limit=s_limit, keys=s_keys,
+            sids=s_sids.astype(jnp.uint32), table=s_table)
+  if logit_bias is not None:
+    rs["bias"] = con(logit_bias.astype(jnp.float32), ("batch", None))
+    ss["bias"] = con(s_logit_bias.astype(jnp.float32), ("batch", None))
 
   def is_stop(tok):
     if not st.num_stop_slots:
       return jnp.zeros(tok.shape, bool)
     return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
 
-  def draw(logits, step):
-    logits = sampling.add_logit_bias(logits, bias)
+  def draw(logits, rs):
+    logits = sampling.add_logit_bias(logits, rs.get("bias"))
     u = None
     if not st.greedy:
       u = jax.vmap(lambda k, t, s: jax.random.uniform(
-          jax.random.fold_in(jax.random.fold_in(k, t), s), (), jnp.float32))(keys, step, sids)
+          jax.random.fold_in(jax.random.fold_in(k, t), s), (), jnp.float32))(
+              rs["keys"], rs["step"], rs["sids"])
     return sampling._choose(logits, None, temperature, top_p, greedy=st.greedy, top_k=st.top_k,
                             use_top_p=st.use_top_p, u=u)
 
   dense = st.impl == "xla"  # XLA: one gather per window into a dense per-row cache
   if dense:
     cache = _gather_dense(cfg, st, mesh, rules, pool, page_table)
+    staged_cache = _gather_dense(cfg, st, mesh, rules, pool, s_table) if m else None
     kax = ("batch", "kv_heads", "head_dim", "cache_seq")
     vax = ("batch", "kv_heads", "cache_seq", "head_dim")
     con_cache = lambda c: (tuple(con(x, kax) for x in c[0]), tuple(con(x, vax) for x in c[1]))
+    run_params = qwen.split_layers(run_params)  # the dense cache is a per-layer tuple
   else:
     cache = pool
     con_cache = lambda c: _con_pool(c, cfg, st, mesh, rules)
-  run_params = qwen.split_layers(run_params) if dense else run_params  # per-layer cache tuple
+
+  def swap(rs, done, src, wb, nxt, cache):
+    """Idle slots take the next staged rows of their shard (at most m per shard)."""
+    if not m:
+      return rs, done, src, wb, nxt, cache
+    idle = done.reshape(shards, r)
+    rank = jnp.cumsum(idle.astype(jnp.int32), axis=1) - 1
+    take = idle & (rank < m) & (rank < (s_count - nxt)[:, None])  # [Sh, r]
+    qi = jnp.clip(nxt[:, None] + rank, 0, q - 1)  # the staged row each slot takes
+
+    def pick(cur, stg):
+      c = cur.reshape((shards, r) + cur.shape[1:])
+      g = stg.reshape((shards, q) + stg.shape[1:])
+      idx = jnp.broadcast_to(qi.reshape(qi.shape + (1,) * (c.ndim - 2)), (shards, r) + g.shape[2:])
+      t = take.reshape(take.shape + (1,) * (c.ndim - 2))
+      return jnp.where(t, jnp.take_along_axis(g, idx, axis=1), c).reshape(cur.shape)
+
+    rs = {k: pick(v, ss[k]) for k, v in rs.items()}
+    flat = take.reshape(-1)
+    gid = (jnp.arange(shards, dtype=jnp.int32)[:, None] * q + qi).reshape(-1)
+    src = jnp.where(flat, b + gid, src)
+    wb = jnp.where(flat, rs["pos"], wb)
+    done = done & jnp.logical_not(flat)
+    if dense:  # the taken rows' caches into their slots: m row copies per shard
+      slot_m = jnp.stack([jnp.where(jnp.any(take & (rank == j), axis=1),
+                                    jnp.argmax(take & (rank == j), axis=1), r)
+                          for j in range(m)], axis=1).astype(jnp.int32)  # [Sh, m]; r = none
+      q_m = jnp.clip(nxt[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :], 0, q - 1)
+      cache = _swap_dense(cfg, st, mesh, rules, cache, staged_cache, slot_m, q_m)
+    nxt = nxt + jnp.sum(take.astype(jnp.int32), axis=1)
+    return rs, done, src, wb, nxt, cache
 
   def body(c):
-    i, last, pos, step, done, n_done, cache, toks, lps = c
+    i, rs, done, src, wb, nxt, n_idle, cache, toks, lps, srcs = c
     alive = jnp.logical_not(done)
-    positions = pos[:, None]
+    positions = rs["pos"][:, None]
     if dense:
-      attend = _make_attend_dense(cfg, pos, alive)
+      attend = _make_attend_dense(cfg, rs["pos"], alive)
     else:
-      wpage, wslot = PA.write_targets(page_table, positions, alive[:, None], st.page_size)
-      attend = _make_attend(cfg, st, mesh, rules, page_table, wpage, wslot, positions)
-    hidden, cache = qwen.paged_forward(run_params, last[:, None], positions, cfg, cache, attend)
-    tok, lp = draw(logits_of(hidden[:, 0]), step)
+      wpage, wslot = PA.write_targets(rs["table"], positions, alive[:, None], st.page_size)
+      attend = _make_attend(cfg, st, mesh, rules, rs["table"], wpage, wslot, positions)
+    hidden, cache = qwen.paged_forward(run_params, rs["last"][:, None], positions, cfg, cache,
+                                       attend)
+    tok, lp = draw(logits_of(hidden[:, 0]), rs)
     tok = jnp.where(alive, tok, pad)
     lp = jnp.where(alive, lp, 0.0)
     toks = jax.lax.dynamic_update_slice(toks, tok[:, None], (0, i))
     lps = jax.lax.dynamic_update_slice(lps, lp[:, None], (0, i))
+    srcs = jax.lax.dynamic_update_slice(srcs, jnp.where(alive, src, -1)[:, None], (0, i))
     inc = alive.astype(jnp.int32)
-    step = step + inc
-    pos = pos + inc
-    now_done = done | (alive & (is_stop(tok) | (step >= limit)))
-    n_done = n_done + jnp.sum((now_done & alive).astype(jnp.int32))
-    last = jnp.where(alive, tok, last)
-    return (i + 1, con(last, ("batch",)), con(pos, ("batch",)), con(step, ("batch",)),
-            con(now_done, ("batch",)), n_done, con_cache(cache),
-            con(toks, ("batch", None)), con(lps, ("batch", None)))
+    rs = dict(rs, step=rs["step"] + inc, pos=rs["pos"] + inc,
+              last=jnp.where(alive, tok, rs["last"]))
+    done = done | (alive & (is_stop(tok) | (rs["step"] >= rs["limit"])))
+    src = jnp.where(done, -1, src)
+    rs, done, src, wb, nxt, cache = swap(rs, done, src, wb, nxt, cache)
+    rs = {k: con(v, row + (None,) * (v.ndim - 1)) for k, v in rs.items()}
+    return (i + 1, rs, con(done, row), con(src, row), con(wb, row), nxt, n_idle,
+            con_cache(cache), con(toks, ("batch", None)), con(lps, ("batch", None)),
+            con(srcs, ("batch", None)))
 
   def cond(c):
-    i, done, n_done = c[0], c[4], c[5]
-    alive = jnp.logical_not(done).astype(jnp.int32).reshape(st.shards, -1)
-    return ((i < w) & (jnp.sum(alive) > 0) & (n_done < min_done)
-            & (jnp.max(jnp.sum(alive, axis=1)) > shrink_to))
+    i, done, nxt = c[0], c[2], c[5]
+    alive = jnp.logical_not(done).astype(jnp.int32).reshape(shards, -1)
+    left = s_count - nxt  # staged rows not taken yet, per shard
+    unfillable = jnp.sum(jnp.maximum(jnp.sum(1 - alive, axis=1) - left, 0))
+    shrink = (jnp.sum(left) == 0) & (jnp.max(jnp.sum(alive, axis=1)) <= shrink_to)
+    return ((i < w) & (jnp.sum(alive) > 0) & (unfillable < min_idle)
+            & jnp.logical_not(shrink))
 
+  done = jnp.logical_not(live.astype(bool))
+  src = jnp.where(done, -1, jnp.arange(b, dtype=jnp.int32))
+  wb = pos
+  nxt = jnp.zeros((shards,), jnp.int32)
+  rs, done, src, wb, nxt, cache = swap(rs, done, src, wb, nxt, cache)  # idle slots at the start
   toks = con(jnp.full((b, w), pad, jnp.int32), ("batch", None))
   lps = con(jnp.zeros((b, w), jnp.float32), ("batch", None))
-  done = jnp.logical_not(live.astype(bool))
-  carry = (jnp.int32(0), last, pos, step, done, jnp.int32(0), con_cache(cache), toks, lps)
-  i, _, _, new_step, done, _, cache, toks, lps = jax.lax.while_loop(cond, body, carry)
-  if dense:
-    pool = _write_back(cfg, st, mesh, rules, pool, cache, page_table, pos, new_step - step)
+  srcs = con(jnp.full((b, w), -1, jnp.int32), ("batch", None))
+  carry = (jnp.int32(0), rs, done, src, wb, nxt, jnp.int32(0), con_cache(cache), toks, lps, srcs)
+  i, rs, done, src, wb, nxt, _, cache, toks, lps, srcs = jax.lax.while_loop(cond, body, carry)
+  if dense:  # the live rows' new tokens back into their pages
+    count = jnp.where(done, 0, rs["pos"] - wb)
+    pool = _write_back(cfg, st, mesh, rules, pool, cache, rs["table"], wb, count)
   else:
     pool = cache
-  return _con_pool(pool, cfg, st, mesh, rules), toks, lps, new_step, done, i
+  return _con_pool(pool, cfg, st, mesh, rules), toks, lps, srcs, src, nxt, i
 
 
 _LOCK = threading.Lock()

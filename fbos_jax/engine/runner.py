@@ -138,20 +138,28 @@ class Engine:
       raise EngineError(f"the mesh's {self.shards} batch shards do not divide over "
                         f"{self.nproc} processes.")
     self.sps = e.slots // self.shards  # slots per shard
+    staged = e.slots if e.staged == -1 else int(e.staged)
+    if staged % self.shards:
+      raise EngineError(f"engine.staged={e.staged} must be a multiple of the mesh's "
+                        f"{self.shards} batch shards.")
+    self.qs = staged // self.shards  # staged rows per shard
     self.local_shards = self.shards // self.nproc
     self.first_shard = (jax.process_index() * self.local_shards) if self.nproc > 1 else 0
     self.R = int(s.max_new_tokens)
     self.max_prompt = int(e.max_prompt_len or max(int(b) for b in s.prompt_buckets))
     ps = e.page_size
     self.row_pages = -(-(self.max_prompt + self.R - 1) // ps)  # pages of the longest row
-    need = self.sps * self.row_pages + 1
+    self.stage_pages = -(-(self.max_prompt + min(e.window, self.R) - 1) // ps)
+    need = self.sps * self.row_pages + self.qs * self.stage_pages + 1
     if e.num_pages and e.num_pages < need:
       raise EngineError(
           f"engine.num_pages={e.num_pages} per batch shard is too small: {self.sps} slots per "
           f"shard (engine.slots={e.slots} over {self.shards} shard(s)) x {self.row_pages} pages "
           f"per row (prompt {self.max_prompt} + max_new_tokens {self.R} - 1 tokens at "
-          f"engine.page_size={ps}) + 1 null page = {need}. Raise engine.num_pages (or 0 for "
-          "that size), or lower engine.slots / sampling.max_new_tokens / the prompt length.")
+          f"engine.page_size={ps}) + {self.qs} staged rows per shard (engine.staged) x "
+          f"{self.stage_pages} pages (prompt + one window) + 1 null page = {need}. Raise "
+          "engine.num_pages (or 0 for that size), or lower engine.slots / engine.staged / "
+          "sampling.max_new_tokens / the prompt length.")
     self.pages_per_shard = int(e.num_pages or need)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     device_kind = mesh.devices.flat[0].device_kind if mesh is not None else None
@@ -164,7 +172,8 @@ class Engine:
         use_top_p=float(s.top_p) < 1.0,
         num_stop_slots=sampling._stop_slots(len(s.stop_token_ids)), pad_id=int(s.pad_id),
         unroll=unroll, cache_dtype=s.cache_dtype, impl=impl, shards=self.shards,
-        bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None)
+        bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None,
+        swaps=int(e.swaps_per_step))
     self.row_buckets = tuple(e.row_buckets) or pow2_buckets(self.sps)
     self.page_buckets = tuple(e.page_buckets) or pow2_buckets(self.row_pages)
     self.prefill_buckets = tuple(e.prefill_buckets) or pow2_buckets(e.prefill_chunk, 16)
@@ -239,7 +248,7 @@ class Engine:
     ps = self.st.page_size
     admitted = 0
     while waiting:
-      free = [self.sps - len(r) for r in rows]
+      free = [self.sps + self.qs - len(r) for r in rows]  # slots, then the staging queue
       s = int(np.argmax(free))
       if free[s] == 0:
         break
@@ -344,14 +353,15 @@ class Engine:
               r.pages.extend(self.pages.alloc(r.shard, need))
         stats.pages_peak = max(stats.pages_peak, self.pages.in_use())
         live = sum(map(len, rows))
-        g = self._agree(max(map(len, rows)),
+        g = self._agree(max(min(len(rr), self.sps) for rr in rows),
+                        max(max(len(rr) - self.sps, 0) for rr in rows),
                         max((len(r.pages) for rr in rows for r in rr), default=0),
                         int(bool(waiting)), int(feed.finished() and not waiting and not live),
                         live)
         if pieces or self.nproc > 1:
           pool = self._prefill(params, pool, pieces, stats)
         if g[:, 0].max() == 0:
-          if g[:, 3].all():
+          if g[:, 4].all():
             break
           t0 = time.perf_counter()  # nothing runnable anywhere: wait for the feed
           time.sleep(nap)
@@ -371,80 +381,114 @@ class Engine:
     return stats
 
   def _run_window(self, params, pool, rows, g, stats, on_row):
+    """One window over each shard's first ``sps`` rows (the slots), the rest of its
+    rows staged; then the rows' new tokens, finished rows to the callback."""
     rb = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
-    pb = _bucket(g[:, 1].max(), self.page_buckets, "page-table width", "engine.page_buckets")
-    n = self.local_shards * rb
+    qb = self.qs if g[:, 1].max() > 0 else 0
+    pb = _bucket(g[:, 2].max(), self.page_buckets, "page-table width", "engine.page_buckets")
+    n, nq = self.local_shards * rb, self.local_shards * qb
     b_global = self.shards * rb
-    waiting_any = bool(g[:, 2].any())
-    live_global = int(g[:, 4].sum())
-    min_done = (max(1, math.ceil(self.ecfg.refill_fraction * live_global)) if waiting_any
-                else b_global + 1)
+    waiting_any = bool(g[:, 3].any())
+    live_global = int(g[:, 5].sum())
+    min_idle = (max(1, math.ceil(self.ecfg.refill_fraction * min(live_global, b_global)))
+                if waiting_any else b_global + 1)
     smaller = [x for x in self.row_buckets if x < rb]
     shrink_to = max(smaller) if (self.ecfg.shrink and not waiting_any and smaller) else -1
-    last = np.full((n,), self.scfg.pad_id, np.int32)
-    pos = np.zeros((n,), np.int32)
-    step = np.zeros((n,), np.int32)
-    limit = np.ones((n,), np.int32)
-    keys = np.zeros((n, 2), np.uint32)
-    sids = np.zeros((n,), np.uint32)
+    v = self.cfg.vocab_size
+
+    def arrays(m):
+      return dict(last=np.full((m,), self.scfg.pad_id, np.int32), pos=np.zeros((m,), np.int32),
+                  step=np.zeros((m,), np.int32), limit=np.ones((m,), np.int32),
+                  keys=np.zeros((m, 2), np.uint32), sids=np.zeros((m,), np.uint32),
+                  table=np.full((m, pb), _NULL, np.int32),
+                  bias=np.zeros((m, v), np.float32) if self.st.bias else None)
+
+    def fill(a, k, r):
+      a["last"][k], a["pos"][k], a["step"][k], a["limit"][k] = r.last, r.pos, r.step, r.limit
+      a["keys"][k], a["sids"][k] = r.key, r.sid
+      a["table"][k, :len(r.pages)] = r.pages
+      if a["bias"] is not None:
+        a["bias"][k] = r.bias
+
+    sa, qa = arrays(n), arrays(nq)
     live = np.zeros((n,), bool)
-    table = np.full((n, pb), _NULL, np.int32)
-    bias = np.zeros((n, self.cfg.vocab_size), np.float32) if self.st.bias else None
-    slot_of = []
-    for s, shard_rows in enumerate(rows):
-      for i, r in enumerate(shard_rows):
-        k = s * rb + i
-        last[k], pos[k], step[k], limit[k] = r.last, r.pos, r.step, r.limit
-        keys[k], sids[k], live[k] = r.key, r.sid, True
-        table[k, :len(r.pages)] = r.pages
-        if bias is not None:
-          bias[k] = r.bias
-        slot_of.append((k, r))
-    args = [params, pool] + [self._put(x) for x in (last, pos, step, limit, keys, sids, live,
-                                                    table)]
-    args += [np.float32(1.0 if self.scfg.is_greedy else self.scfg.temperature),
+    count = np.zeros((self.local_shards,), np.int32)
+    slot_rows, staged_rows = {}, {}
+    for s, rr in enumerate(rows):
+      for i, r in enumerate(rr[:self.sps]):
+        fill(sa, s * rb + i, r)
+        live[s * rb + i] = True
+        slot_rows[s * rb + i] = r
+      for i, r in enumerate(rr[self.sps:self.sps + qb]):
+        fill(qa, s * qb + i, r)
+        staged_rows[s * qb + i] = r
+      count[s] = min(max(len(rr) - self.sps, 0), qb)
+    put = self._put
+    args = [params, pool] + [put(sa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids")]
+    args += [put(live), put(sa["table"])]
+    args += [put(qa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids", "table")]
+    args += [put(count), np.float32(1.0 if self.scfg.is_greedy else self.scfg.temperature),
              np.float32(self.scfg.top_p), sampling.stop_id_array(self.scfg.stop_token_ids),
-             np.int32(min_done), np.int32(shrink_to)]
-    if bias is not None:
-      args.append(self._put(bias))
+             np.int32(min_idle), np.int32(shrink_to)]
+    if self.st.bias:
+      args += [put(sa["bias"]), put(qa["bias"])]
     t0 = time.perf_counter()
     with self._mesh_ctx():
-      pool, toks, lps, new_step, done, steps = self._fn("window")(*args)
-    toks, lps = self._read(toks, n), self._read(lps, n)
-    new_step, done = self._read(new_step, n), self._read(done, n)
+      pool, toks, lps, srcs, final, nxt, steps = self._fn("window")(*args)
+    row_off = sh.local_row_start(toks)
+    toks, lps, srcs, final = (self._read(x, n) for x in (toks, lps, srcs, final))
+    nxt = sh.host_rows(nxt, (self.first_shard, self.first_shard + self.local_shards))
     steps = int(steps)
     stats.window_s += time.perf_counter() - t0
     stats.windows += 1
     stats.slot_steps += n * steps
-    finished = []
     window = self._windows  # this run's window index
     self._windows += 1
-    for k, r in slot_of:
-      if r.first_window < 0:
-        r.first_window = window
-      got = int(new_step[k]) - r.step
-      if got:
-        r.tokens.extend(toks[k, :got].tolist())
-        r.logprobs.extend(lps[k, :got].tolist())
-        r.last = int(toks[k, got - 1])
-        r.step += got
-        r.pos += got
-        stats.tokens += got
-      if done[k]:
-        finished.append(r)
-    if finished:
-      gone = set(map(id, finished))
-      for s in range(len(rows)):
-        rows[s] = [r for r in rows[s] if id(r) not in gone]
-      for r in finished:  # every page back before any callback (which may raise)
-        self.pages.release(r.shard, r.pages)
-        r.pages = []
-        stats.rows += 1
-      for r in finished:
-        on_row(FinishedRow(request=r.req, j=r.j, tokens=np.asarray(r.tokens, np.int32),
-                           logprobs=np.asarray(r.logprobs, np.float32),
-                           stopped=bool(r.tokens) and r.tokens[-1] in self.stop_ids,
-                           first_window=r.first_window, last_window=window))
+    q_off = self.first_shard * qb
+
+    def row_of(gid):
+      if gid < b_global:
+        return slot_rows[gid - row_off]
+      return staged_rows[gid - b_global - q_off]
+
+    touched = []
+    for k in range(n):
+      ids = srcs[k, :steps]
+      i = 0
+      while i < steps:
+        gid = int(ids[i])
+        j = i + 1
+        while j < steps and ids[j] == gid:
+          j += 1
+        if gid >= 0:
+          r = row_of(gid)
+          if r.first_window < 0:
+            r.first_window = window
+          r.tokens.extend(toks[k, i:j].tolist())
+          r.logprobs.extend(lps[k, i:j].tolist())
+          r.last = int(toks[k, j - 1])
+          r.step += j - i
+          r.pos += j - i
+          stats.tokens += j - i
+          touched.append(r)
+        i = j
+    finished = [r for r in touched
+                if r.step >= r.limit or (r.tokens and r.tokens[-1] in self.stop_ids)]
+    gone = set(map(id, finished))
+    for s in range(len(rows)):
+      in_slots = [row_of(int(x)) for x in final[s * rb:(s + 1) * rb] if x >= 0]
+      untaken = [staged_rows[s * qb + i] for i in range(int(nxt[s]), int(count[s]))]
+      rest = rows[s][self.sps + qb:]  # admitted beyond this window's staging (not sent)
+      rows[s] = [r for r in in_slots + untaken + rest if id(r) not in gone]
+    for r in finished:  # every page back before any callback (which may raise)
+      self.pages.release(r.shard, r.pages)
+      r.pages = []
+      stats.rows += 1
+    for r in finished:
+      on_row(FinishedRow(request=r.req, j=r.j, tokens=np.asarray(r.tokens, np.int32),
+                         logprobs=np.asarray(r.logprobs, np.float32),
+                         stopped=bool(r.tokens) and r.tokens[-1] in self.stop_ids,
+                         first_window=r.first_window, last_window=window))
     return pool
 
   # ------------------------------------------------------------------------- sample

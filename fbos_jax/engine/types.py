@@ -25,11 +25,19 @@ class EngineConfig:
   page_size: tokens per KV page.
   num_pages: pages per batch shard, the null page included; 0 = the smallest pool
     with which no row ever waits for a page: slots_per_shard * ceil((P + R - 1) /
-    page_size) + 1 (P the longest prompt, R max_new_tokens). A smaller pool is
-    refused at start (the engine neither preempts nor re-queues).
+    page_size) + staged_per_shard * ceil((P + min(window, R) - 1) / page_size) + 1
+    (P the longest prompt, R max_new_tokens). A smaller pool is refused at start
+    (the engine neither preempts nor re-queues).
   window: K, the most decode steps one jitted window runs without the host.
+  staged: rows admitted (and prefilled) ahead of a free slot, over the mesh (a
+    multiple of the batch shards); inside a window a slot whose row stops takes
+    the next staged row of its shard at once, so windows need not end to refill.
+    -1 = as many as slots; 0 = off.
+  swaps_per_step: the most staged rows a shard's idle slots take per decode step
+    (on the XLA path each costs a copy of one row's cache inside the window).
   refill_fraction: a window returns early once this share of its rows has stopped
-    while requests are waiting for a slot (the refill pays); 1.0 = never early.
+    with no staged row left to take while requests are waiting (the refill pays);
+    1.0 = never early.
   shrink: a window also returns early once its rows fit the next smaller row
     bucket (no request waiting: the tail runs on a smaller batch).
   prefill_chunk: the most prompt tokens of one prompt per prefill call; longer
@@ -49,6 +57,8 @@ class EngineConfig:
   page_size: int = 16
   num_pages: int = 0
   window: int = 32
+  staged: int = -1
+  swaps_per_step: int = 4
   refill_fraction: float = 0.125
   shrink: bool = True
   prefill_chunk: int = 512
@@ -64,6 +74,9 @@ class EngineConfig:
     for name in ("slots", "page_size", "window", "prefill_chunk"):
       if int(getattr(self, name)) < 1:
         bad(f"engine.{name}={getattr(self, name)} must be >= 1.")
+    if int(self.staged) < -1 or int(self.swaps_per_step) < 1:
+      bad(f"engine.staged={self.staged} must be >= -1 (-1 = engine.slots, 0 = off) and "
+          f"engine.swaps_per_step={self.swaps_per_step} >= 1.")
     if int(self.num_pages) < 0 or int(self.max_prompt_len) < 0:
       bad(f"engine.num_pages={self.num_pages} and engine.max_prompt_len="
           f"{self.max_prompt_len} must be >= 0 (0 = derived).")
