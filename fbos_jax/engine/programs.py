@@ -79,6 +79,7 @@ class Static:
   bias: bool
   device_kind: Optional[str]  # target chip (Pallas block sizes)
   swaps: int  # staged rows a shard's idle slots may take per step
+  stage_len: int  # positions a staged row holds at most (prompt + one window)
 
 
 def _rules(rules):
@@ -260,8 +261,9 @@ def _write_back(cfg, st: Static, mesh, rules, pool, dense, page_table, pos0, cou
   return pool
 
 
-def _swap_dense(cfg, st: Static, mesh, rules, cache, staged, slot_m, q_m):
-  """cache rows ``slot_m`` <- staged rows ``q_m`` per shard (slot_m [Sh, m], r = none)."""
+def _swap_dense(cfg, st: Static, mesh, rules, cache, staged, slot_m, q_m, length: int):
+  """cache rows ``slot_m`` <- staged rows ``q_m`` per shard (slot_m [Sh, m], r = none),
+  their first ``length`` positions (a staged row holds no more)."""
   bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
   kspec = vspec = P(bat, hd, None, None)  # flat rows [B, K, Dh, S] / [B, K, S, Dh]
   ks, vs = cache
@@ -270,8 +272,11 @@ def _swap_dense(cfg, st: Static, mesh, rules, cache, staged, slot_m, q_m):
 
   def local(sm, qm, *arrays):
     out = []
-    for x, y in zip(arrays[:2 * nl], arrays[2 * nl:]):
-      out.append(x.at[sm[0]].set(y[qm[0]], mode="drop"))
+    for i, (x, y) in enumerate(zip(arrays[:2 * nl], arrays[2 * nl:])):
+      if i < nl:  # k [r, K, Dh, S]
+        out.append(x.at[sm[0], :, :, :length].set(y[qm[0], :, :, :length], mode="drop"))
+      else:  # v [r, K, S, Dh]
+        out.append(x.at[sm[0], :, :length].set(y[qm[0], :, :length], mode="drop"))
     return tuple(out)
 
   specs = (kspec,) * nl + (vspec,) * nl
@@ -385,11 +390,16 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
   pad = jnp.int32(st.pad_id)
   row = ("batch",)
 
-  # row state of the slots and of the staged rows (same fields)
-  rs = dict(last=last, pos=pos, step=step, limit=limit, keys=keys, sids=sids.astype(jnp.uint32),
-            table=page_table)
-  ss = dict(last=s_last, pos=s_pos, step=s_step, limit=s_limit, keys=s_keys,
-            sids=s_sids.astype(jnp.uint32), table=s_table)
+  # row state of the slots and of the staged rows (same fields); the small ones packed
+  # in one int32 array so that a swap is one gather
+  bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.uint32), jnp.int32)
+  pack = lambda *xs: jnp.stack([xs[0], xs[1], xs[2], xs[3], bits(xs[4][:, 0]),
+                                bits(xs[4][:, 1]), bits(xs[5])], axis=1)
+  rs = dict(ints=pack(last, pos, step, limit, keys, sids), table=page_table)
+  ss = dict(ints=pack(s_last, s_pos, s_step, s_limit, s_keys, s_sids), table=s_table)
+  LAST, POS, STEP, LIMIT = 0, 1, 2, 3
+  u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
+  field = lambda rs, i: rs["ints"][:, i]
   if logit_bias is not None:
     rs["bias"] = con(logit_bias.astype(jnp.float32), ("batch", None))
     ss["bias"] = con(s_logit_bias.astype(jnp.float32), ("batch", None))
@@ -403,16 +413,19 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
     logits = sampling.add_logit_bias(logits, rs.get("bias"))
     u = None
     if not st.greedy:
+      keys = u32(rs["ints"][:, 4:6])
       u = jax.vmap(lambda k, t, s: jax.random.uniform(
           jax.random.fold_in(jax.random.fold_in(k, t), s), (), jnp.float32))(
-              rs["keys"], rs["step"], rs["sids"])
+              keys, field(rs, STEP), u32(field(rs, 6)))
     return sampling._choose(logits, None, temperature, top_p, greedy=st.greedy, top_k=st.top_k,
                             use_top_p=st.use_top_p, u=u)
 
   dense = st.impl == "xla"  # XLA: one gather per window into a dense per-row cache
   if dense:
     cache = _gather_dense(cfg, st, mesh, rules, pool, page_table)
-    staged_cache = _gather_dense(cfg, st, mesh, rules, pool, s_table) if m else None
+    stage_w = min(s_table.shape[1], -(-st.stage_len // st.page_size))  # a staged row's pages
+    staged_cache = (_gather_dense(cfg, st, mesh, rules, pool, s_table[:, :stage_w]) if m
+                    else None)
     kax = ("batch", "kv_heads", "head_dim", "cache_seq")
     vax = ("batch", "kv_heads", "cache_seq", "head_dim")
     con_cache = lambda c: (tuple(con(x, kax) for x in c[0]), tuple(con(x, vax) for x in c[1]))
@@ -441,28 +454,31 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
     flat = take.reshape(-1)
     gid = (jnp.arange(shards, dtype=jnp.int32)[:, None] * q + qi).reshape(-1)
     src = jnp.where(flat, b + gid, src)
-    wb = jnp.where(flat, rs["pos"], wb)
+    wb = jnp.where(flat, field(rs, POS), wb)
     done = done & jnp.logical_not(flat)
-    if dense:  # the taken rows' caches into their slots: m row copies per shard
+    if dense:  # the taken rows' caches into their slots: m row copies per shard (under a
+      # lax.cond XLA would copy the whole cache in both branches: cheaper to always copy)
       slot_m = jnp.stack([jnp.where(jnp.any(take & (rank == j), axis=1),
                                     jnp.argmax(take & (rank == j), axis=1), r)
                           for j in range(m)], axis=1).astype(jnp.int32)  # [Sh, m]; r = none
       q_m = jnp.clip(nxt[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :], 0, q - 1)
-      cache = _swap_dense(cfg, st, mesh, rules, cache, staged_cache, slot_m, q_m)
+      length = stage_w * st.page_size
+      cache = _swap_dense(cfg, st, mesh, rules, cache, staged_cache, slot_m, q_m, length)
     nxt = nxt + jnp.sum(take.astype(jnp.int32), axis=1)
     return rs, done, src, wb, nxt, cache
 
   def body(c):
     i, rs, done, src, wb, nxt, n_idle, cache, toks, lps, srcs = c
     alive = jnp.logical_not(done)
-    positions = rs["pos"][:, None]
+    pos = field(rs, POS)
+    positions = pos[:, None]
     if dense:
-      attend = _make_attend_dense(cfg, rs["pos"], alive)
+      attend = _make_attend_dense(cfg, pos, alive)
     else:
       wpage, wslot = PA.write_targets(rs["table"], positions, alive[:, None], st.page_size)
       attend = _make_attend(cfg, st, mesh, rules, rs["table"], wpage, wslot, positions)
-    hidden, cache = qwen.paged_forward(run_params, rs["last"][:, None], positions, cfg, cache,
-                                       attend)
+    hidden, cache = qwen.paged_forward(run_params, field(rs, LAST)[:, None], positions, cfg,
+                                       cache, attend)
     tok, lp = draw(logits_of(hidden[:, 0]), rs)
     tok = jnp.where(alive, tok, pad)
     lp = jnp.where(alive, lp, 0.0)
@@ -470,9 +486,10 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
     lps = jax.lax.dynamic_update_slice(lps, lp[:, None], (0, i))
     srcs = jax.lax.dynamic_update_slice(srcs, jnp.where(alive, src, -1)[:, None], (0, i))
     inc = alive.astype(jnp.int32)
-    rs = dict(rs, step=rs["step"] + inc, pos=rs["pos"] + inc,
-              last=jnp.where(alive, tok, rs["last"]))
-    done = done | (alive & (is_stop(tok) | (rs["step"] >= rs["limit"])))
+    new = jnp.stack([jnp.where(alive, tok, field(rs, LAST)), pos + inc, field(rs, STEP) + inc],
+                    axis=1)
+    rs = dict(rs, ints=jnp.concatenate([new, rs["ints"][:, 3:]], axis=1))
+    done = done | (alive & (is_stop(tok) | (field(rs, STEP) >= field(rs, LIMIT))))
     src = jnp.where(done, -1, src)
     rs, done, src, wb, nxt, cache = swap(rs, done, src, wb, nxt, cache)
     rs = {k: con(v, row + (None,) * (v.ndim - 1)) for k, v in rs.items()}
@@ -500,7 +517,7 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
   carry = (jnp.int32(0), rs, done, src, wb, nxt, jnp.int32(0), con_cache(cache), toks, lps, srcs)
   i, rs, done, src, wb, nxt, _, cache, toks, lps, srcs = jax.lax.while_loop(cond, body, carry)
   if dense:  # the live rows' new tokens back into their pages
-    count = jnp.where(done, 0, rs["pos"] - wb)
+    count = jnp.where(done, 0, field(rs, POS) - wb)
     pool = _write_back(cfg, st, mesh, rules, pool, cache, rs["table"], wb, count)
   else:
     pool = cache

@@ -173,7 +173,7 @@ class Engine:
         num_stop_slots=sampling._stop_slots(len(s.stop_token_ids)), pad_id=int(s.pad_id),
         unroll=unroll, cache_dtype=s.cache_dtype, impl=impl, shards=self.shards,
         bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None,
-        swaps=int(e.swaps_per_step))
+        swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps)
     self.row_buckets = tuple(e.row_buckets) or pow2_buckets(self.sps)
     self.page_buckets = tuple(e.page_buckets) or pow2_buckets(self.row_pages)
     self.prefill_buckets = tuple(e.prefill_buckets) or pow2_buckets(e.prefill_chunk, 16)
