@@ -9,6 +9,7 @@ prefill chunks of 4 tokens (a 9-token prompt is prefilled in 2 chunks), with
 single row / page / chunk buckets so that each config compiles few programs.
 """
 import contextlib
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -417,3 +418,41 @@ def test_logit_bias_is_added_in_both_samplers(tiny):
   assert static.lengths[:2].tolist() == [1, 1] and static.stopped[:2].all()
   plain = sampling.sample(params, cfg, prompts, key=key, n_per_prompt=2, **kw)
   assert (plain.lengths[:2] > 1).any()
+
+
+# ----------------------------------------------------------------------------- compiled plan
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="XLA's TPU compiler is missing: pip install libtpu==0.0.42.1")
+def test_engine_programs_compile_for_a_tpu_topology():
+  """The engine's window and prefill at their largest shapes, compiled for 4 v5p
+  chips (fsdp 2 x tensor 2) with real head sizes in bf16: the window attends with
+  the Pallas ragged kernel (a Mosaic custom call) and reads the pool in place (its
+  temporaries are far below one pool)."""
+  from jax.experimental import topologies
+  from fbos_jax.engine import plan as eplan
+  devs = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
+  mesh = sh.make_mesh({"fsdp": 2, "tensor": 2}, devices=devs)
+  cfg = qwen.ModelConfig(model_type="qwen3", vocab_size=1024, hidden_size=256,
+                         intermediate_size=512, num_layers=2, num_heads=16, num_kv_heads=8,
+                         head_dim=128, param_dtype="bfloat16", compute_dtype="bfloat16")
+  # a pool of ~0.55 GiB per device (small ones are prefetched into fast memory whole)
+  scfg = sampling.make_config(max_new_tokens=4096, prompt_buckets=(128,), stop_token_ids=(1,))
+  ecfg = E.EngineConfig(slots=64, page_size=16, window=16, prefill_chunk=64)
+  progs = eplan.abstract_programs(cfg, scfg, ecfg, mesh, sh.DEFAULT_RULES)
+  eng = progs.pop("engine")
+  assert eng.st.impl == "pallas" and eng.shards == 2
+  desc = eplan.describe(eng)
+  assert desc["pages_per_shard"] == 32 * 264 + 32 * 9 + 1  # slots x 264 + staged x 9 + null
+  pool_dev = desc["pool_bytes_per_device"]
+  assert pool_dev > 2 ** 29
+  for name, (fn, args) in progs.items():
+    with jax.set_mesh(mesh):
+      compiled = fn.lower(*args).compile()
+    ma = compiled.memory_analysis()
+    assert ma.argument_size_in_bytes >= pool_dev, name
+    assert ma.alias_size_in_bytes >= pool_dev, name  # the donated pool is updated in place
+    assert ma.temp_size_in_bytes < pool_dev / 2, (name, ma.temp_size_in_bytes, pool_dev)
+    if name == "engine_window":
+      assert compiled.as_text().count("tpu_custom_call") >= 1

@@ -7,31 +7,44 @@ with every call, so the programs are pure functions of their inputs:
     pool = init_pool()                                   one array per layer
     pool = prefill(params, pool, tokens[B, C], start[B], n_valid[B],
                    page_table[B, pb], tail[B], copies[B, c])
-    pool, tokens[B, W], logprobs[B, W], step[B], done[B], steps = window(
-        params, pool, last[B], pos[B], step[B], limit[B], keys[B, 2], sids[B],
-        live[B], page_table[B, pb], temperature, top_p, stop_ids, min_done,
-        shrink_to[, logit_bias[B, V]])
+    pool, tokens[B, W], logprobs[B, W], sources[B, W], source[B], taken[Sh], steps = window(
+        params, pool, last[B], pos[B], step[B], limit[B], keys[B, 2], sids[B], live[B],
+        page_table[B, pb], <the same 7 fields of the staged rows [Q]>, staged_count[Sh],
+        temperature, top_p, stop_ids, min_idle, shrink_to[, logit_bias[B, V], [Q, V]])
 
 Pool (per layer; ``[Sh, L, N, ...]`` stacked when the layers run in a loop)::
 
     [Sh, N, page_size, 2K, Dh]   Sh = batch shards (dcn*data*fsdp), N pages per shard
 
 sharded over the batch axes on Sh and over the kv-head rule (``kv_heads``,
-i.e. ``tensor``) on 2K when it divides both H and K. Rows ``[B] = [Sh * r]``
-are laid out shard-major: rows ``[s*r, (s+1)*r)`` live on shard s and their
-page tables hold page ids of shard s's pool. The write + attention of a layer
-runs per shard inside ``jax.shard_map`` (a row never reads another shard's
-pages; the Pallas kernel cannot be partitioned by GSPMD anyway).
+i.e. ``tensor``) on 2K when it divides both H and K. Slots ``[B] = [Sh * r]``
+and staged rows ``[Q] = [Sh * q]`` are laid out shard-major: rows
+``[s*r, (s+1)*r)`` live on shard s and their page tables hold page ids of
+shard s's pool. Page writes, gathers and the Pallas attention run per shard
+inside ``jax.shard_map`` (a row never reads another shard's pages; GSPMD
+cannot partition the Pallas kernel anyway).
 
 Window (``W = EngineConfig.window`` steps at most, no host round trip): every
-step feeds each live row's last token at its position (writing its key/value
-into its page first), draws the next token with ``sampling._choose`` from
-``u = uniform(fold_in(fold_in(key_row, t_row), sid_row))`` (t_row the row's own
-step: the static sampler's key contract), and stops a row on a stop token or at
-its ``limit``. The loop ends after W steps, when no row is live, once
-``min_done`` rows have stopped (a refill pays: the host passes B + 1 when no
-request is waiting), or once every shard's live rows fit ``shrink_to`` rows
-(the next smaller row bucket; -1 = off).
+step feeds each live slot's last token at its position, draws the next token
+with ``sampling._choose`` from ``u = uniform(fold_in(fold_in(key_row, t_row),
+sid_row))`` (t_row the row's own step: the static sampler's key contract) and
+stops a row on a stop token or at its ``limit``. A slot whose row stopped takes
+the next staged row of its shard (already prefilled; at most
+``EngineConfig.swaps_per_step`` per shard and step). ``sources`` says which row
+made each slot-step's token (b: the row in slot b at the start; B + k: staged
+row k; -1: idle). The loop ends after W steps, when no slot is live, once
+``min_idle`` slots are idle with no staged row left for them (a refill pays:
+the host passes B + 1 when no request waits), or once the staged rows are all
+taken and every shard's live slots fit ``shrink_to`` rows (the next smaller
+row bucket; -1 = off).
+
+Attention: with the Pallas kernel (TPU) every step writes the new key/value
+into its page and the kernel reads the pages in place. On the XLA path (CPU,
+GPU) a per-step gather of every row's pages cost ~8x a static-sampler step on
+CPU, so the window gathers the slots' (and staged rows') pages once into a
+dense per-row cache (the static sampler's layout, [B, K, Dh, pb * page_size]),
+decodes against it, and writes the live rows' new tokens back into their pages
+at the end (rows that stopped inside the window need nothing back).
 
 Prefill writes the keys / values of prompt tokens ``[start, start + n_valid)``
 of each row into its pages (queries attend to earlier chunks through the pages).
