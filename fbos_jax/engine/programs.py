@@ -117,7 +117,8 @@ def head_entry(mesh, rules, cfg: qwen.ModelConfig):
   """The mesh axes of the kv heads (the ``kv_heads`` rule) when they divide H and K."""
   if mesh is None:
     return None
-  target = sh.rules_dict(_rules(rules)).get("kv_heads")
+  rules = _rules(rules)
+  target = (rules if isinstance(rules, dict) else sh.rules_dict(rules)).get("kv_heads")
   axes = tuple(a for a in _axes_of(mesh, target) if mesh.shape[a] > 1)
   size = math.prod(mesh.shape[a] for a in axes) if axes else 1
   if not axes or cfg.num_kv_heads % size or cfg.num_heads % size:
