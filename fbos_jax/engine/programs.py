@@ -515,16 +515,20 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
     i, done, nxt = c[0], c[2], c[5]
     alive = jnp.logical_not(done).astype(jnp.int32).reshape(shards, -1)
     left = s_count - nxt  # staged rows not taken yet, per shard
-    unfillable = jnp.sum(jnp.maximum(jnp.sum(1 - alive, axis=1) - left, 0))
+    # slots that stopped inside this window (not the idle padding slots) with no staged
+    # row left for them; at least one step always runs
+    stopped = (done & jnp.logical_not(idle0)).astype(jnp.int32).reshape(shards, -1)
+    unfillable = jnp.sum(jnp.maximum(jnp.sum(stopped, axis=1) - left, 0))
     shrink = (jnp.sum(left) == 0) & (jnp.max(jnp.sum(alive, axis=1)) <= shrink_to)
-    return ((i < w) & (jnp.sum(alive) > 0) & (unfillable < min_idle)
-            & jnp.logical_not(shrink))
+    early = (unfillable >= min_idle) | shrink
+    return (i < w) & (jnp.sum(alive) > 0) & ((i == 0) | jnp.logical_not(early))
 
   done = jnp.logical_not(live.astype(bool))
   src = jnp.where(done, -1, jnp.arange(b, dtype=jnp.int32))
   wb = pos
   nxt = jnp.zeros((shards,), jnp.int32)
   rs, done, src, wb, nxt, cache = swap(rs, done, src, wb, nxt, cache)  # idle slots at the start
+  idle0 = done  # padding slots idle from the start
   toks = con(jnp.full((b, w), pad, jnp.int32), ("batch", None))
   lps = con(jnp.zeros((b, w), jnp.float32), ("batch", None))
   srcs = con(jnp.full((b, w), -1, jnp.int32), ("batch", None))

@@ -5,15 +5,17 @@ One :class:`Engine` per (model, sampling options, engine options, mesh); its
 for ``sampling.sample``. The loop, per iteration:
 
 1. take new requests from the feed (``feed.poll()``, never blocking);
-2. admission: fill free slots with waiting samples, a prompt's samples together
-   on one batch shard where they fit; allocate the prompt's pages (its full
-   pages shared by the samples, its partial last page copied once per extra
-   sample) and prefill the prompt (all but its last token) in chunks of at most
-   ``engine.prefill_chunk`` tokens;
-3. allocate, per live row, the pages the next window can write into
+2. admission: fill free places with waiting samples (a shard has
+   ``slots / shards`` slots and ``staged / shards`` places in its staging
+   queue), a prompt's samples together on one batch shard where they fit;
+   allocate the prompt's pages (its full pages shared by the samples, its
+   partial last page written once per sample) and prefill the prompt (all but
+   its last token) in chunks of at most ``engine.prefill_chunk`` tokens;
+3. allocate, per row, the pages the next window can write into
    (``min(window, tokens left)`` positions);
-4. run one decode window; hand every row that stopped to the callback and free
-   its pages.
+4. run one decode window over each shard's first rows (its slots) with the rest
+   staged: a slot whose row stops takes the next staged row inside the window;
+   hand every row that stopped to the callback and free its pages.
 
 Every page is back in the free list when ``run`` returns or raises
 (``try/finally``); the allocator checks it.
@@ -144,7 +146,6 @@ class Engine:
                         f"{self.shards} batch shards.")
     self.qs = staged // self.shards  # staged rows per shard
     self.local_shards = self.shards // self.nproc
-    self.first_shard = (jax.process_index() * self.local_shards) if self.nproc > 1 else 0
     self.R = int(s.max_new_tokens)
     self.max_prompt = int(e.max_prompt_len or max(int(b) for b in s.prompt_buckets))
     ps = e.page_size
@@ -435,16 +436,17 @@ class Engine:
     t0 = time.perf_counter()
     with self._mesh_ctx():
       pool, toks, lps, srcs, final, nxt, steps = self._fn("window")(*args)
-    row_off = sh.local_row_start(toks)
+    row_off = sh.local_row_start(toks)  # this process's first slot (global)
+    first_shard = row_off // rb
     toks, lps, srcs, final = (self._read(x, n) for x in (toks, lps, srcs, final))
-    nxt = sh.host_rows(nxt, (self.first_shard, self.first_shard + self.local_shards))
+    nxt = sh.host_rows(nxt, (first_shard, first_shard + self.local_shards))
     steps = int(steps)
     stats.window_s += time.perf_counter() - t0
     stats.windows += 1
     stats.slot_steps += n * steps
     window = self._windows  # this run's window index
     self._windows += 1
-    q_off = self.first_shard * qb
+    q_off = first_shard * qb
 
     def row_of(gid):
       if gid < b_global:
