@@ -134,6 +134,20 @@ def test_engine_equals_static_one_device(tiny, mode):
   assert 0 < stats.pages_peak <= 4 * 6  # 4 slots x 6 pages
 
 
+def test_stacked_pool_with_the_scan_layer_loop(tiny):
+  """layer_loop='scan': one stacked pool array [Sh, L, N, ...], prefill in a fori_loop
+  over the layers; the same rows as the static sampler."""
+  params, cfg = tiny
+  prompts = random_prompts([9, 1, 6, 4], cfg.vocab_size, seed=11)
+  key = jax.random.PRNGKey(2)
+  kw = dict(SAMPLED, layer_loop="scan")
+  static = sampling.sample(params, cfg, prompts, key=key, n_per_prompt=2, **kw)
+  eng = E.Engine(cfg, sampling.make_config(**kw), ECFG)
+  assert not eng.st.unroll
+  out = eng.sample(params, prompts, key=key, n_per_prompt=2)
+  assert compare(static, out, sampled=True) <= 1
+
+
 def test_engine_config_does_not_change_the_samples(tiny):
   """The key contract: slots, pages, windows and chunks change where and when a
   row runs, not what it draws."""
