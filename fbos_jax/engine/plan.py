@@ -15,7 +15,7 @@ the smallest pool that never runs out) and is an argument of both (donated).
 
 from __future__ import annotations
 
-from typing import Optional
+import math
 
 import jax
 import jax.numpy as jnp
@@ -94,9 +94,8 @@ def describe(eng: Engine) -> dict:
   kv_split = 1
   if eng.mesh is not None:
     hd = programs.head_entry(eng.mesh, eng.rules, eng.cfg)
-    if hd is not None:
-      kv_split = eng.mesh.shape[hd] if isinstance(hd, str) else \
-          __import__("math").prod(eng.mesh.shape[a] for a in hd)
+    axes = () if hd is None else ((hd,) if isinstance(hd, str) else tuple(hd))
+    kv_split = math.prod(eng.mesh.shape[a] for a in axes)
   return {"slots": eng.ecfg.slots, "staged": eng.qs * eng.shards, "batch_shards": eng.shards,
           "page_size": eng.st.page_size, "pages_per_shard": eng.pages_per_shard,
           "pages_per_row": eng.row_pages, "pool_bytes_per_device": per_dev / kv_split,
