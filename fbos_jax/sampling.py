@@ -359,6 +359,13 @@ def _choose(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
   return tok, picked - lse
 
 
+def add_logit_bias(logits, bias):
+  """logits [N, V] float32 + an optional per-row bias [N, V] (both samplers add it
+  here, before the token choice; the reported log-probs are then those of the
+  biased distribution, which teacher forcing without the bias does not reproduce)."""
+  return logits if bias is None else logits + bias
+
+
 # ----------------------------------------------------------------------------- the program
 
 
@@ -444,8 +451,8 @@ class _Ops(NamedTuple):
   is_stop: Any  # token [N] -> [N] bool
 
 
-def _ops(params, key, temperature, top_p, stop_ids, row_ids, *, cfg: qwen.ModelConfig,
-         st: "_Static", n: int, mesh, rules) -> _Ops:
+def _ops(params, key, temperature, top_p, stop_ids, row_ids, logit_bias=None, *,
+         cfg: qwen.ModelConfig, st: "_Static", n: int, mesh, rules) -> _Ops:
   dt = cfg.dtype
   rules = sh.DEFAULT_RULES if rules is None else rules
 
@@ -476,7 +483,12 @@ def _ops(params, key, temperature, top_p, stop_ids, row_ids, *, cfg: qwen.ModelC
     sample_ids = con((ids[:, None] * jnp.uint32(n)
                       + jnp.arange(n, dtype=jnp.uint32)[None, :]).reshape(-1), ("batch",))
 
+  bias = None
+  if logit_bias is not None:
+    bias = con(jnp.repeat(logit_bias.astype(jnp.float32), n, axis=0), ("batch", None))
+
   def choose(logits, step):
+    logits = add_logit_bias(logits, bias)
     k = jax.random.fold_in(key, step)
     u = None
     if sample_ids is not None:
@@ -560,19 +572,21 @@ def _decode(ops: _Ops, carry, next_pos, phase_lens: tuple, *, cfg, st, p: int):
 
 
 def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_ids,
-              row_ids=None, *, cfg: qwen.ModelConfig, st: _Static, n: int, mesh, rules):
+              row_ids=None, logit_bias=None, *, cfg: qwen.ModelConfig, st: _Static, n: int,
+              mesh, rules):
   """The compiled core. prompt_tokens/mask [B, P] (left-padded) -> dict of [B*n, ...].
 
   row_ids [B] int32 (optional): each prompt's index in the global prompt order;
   sample j of prompt i then draws from its own stream ``fold_in(key_t, i*n + j)``,
   so the samples do not depend on padding, bucketing, chunking or on how the
   prompts are split over processes. Without it, row r draws element r of one
-  uniform vector (position-dependent)."""
+  uniform vector (position-dependent). logit_bias [B, V] (optional): added to
+  every step's logits of the prompt's samples (:func:`add_logit_bias`)."""
   b, p = prompt_tokens.shape
   r = st.max_new_tokens
   rows = b * n
-  ops = _ops(params, key, temperature, top_p, stop_ids, row_ids, cfg=cfg, st=st, n=n,
-             mesh=mesh, rules=rules)
+  ops = _ops(params, key, temperature, top_p, stop_ids, row_ids, logit_bias, cfg=cfg, st=st,
+             n=n, mesh=mesh, rules=rules)
   phase_lens = decode_phase_lengths(p, r, st.decode_phases)
   prompt_mask = prompt_mask.astype(jnp.int32)
   cache, kv_mask, logits0, next_pos = _prefill(ops, prompt_tokens, prompt_mask, phase_lens[0],
@@ -622,7 +636,7 @@ def get_generate_fn(cfg: qwen.ModelConfig, scfg: SamplingConfig, *, batch: int, 
   """The jitted core for one bucket (built once, cached)::
 
     fn(params, prompt_tokens[B, P], prompt_mask[B, P], key, temperature, top_p,
-       stop_ids, row_ids=None) -> dict of device arrays with B * n_per_prompt rows
+       stop_ids, row_ids=None, logit_bias=None) -> dict of device arrays with B * n_per_prompt rows
 
   (prompt_tokens/mask left-padded and donated; ``stop_ids = stop_id_array(...)``)."""
   platform = _platform(mesh)
@@ -734,7 +748,7 @@ def make_config(config: Optional[SamplingConfig] = None, **overrides) -> Samplin
 def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]], np.ndarray], *,
            key: jax.Array, n_per_prompt: int = 1, config: Optional[SamplingConfig] = None,
            mesh=None, rules=None, prompt_mask=None, allow_empty: bool = False,
-           **options) -> SampleOutput:
+           logit_bias=None, **options) -> SampleOutput:
   """Sample ``n_per_prompt`` responses for each prompt.
 
   prompts: a list of token-id lists, or a padded [B, T] array with ``prompt_mask``
@@ -748,6 +762,8 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
     None); without a mesh, run on the default device.
   allow_empty: when no process has a prompt, return an empty output (0 rows)
     instead of raising (a round that may have nothing to sample, e.g. round 2).
+  logit_bias: optional [num_prompts, V] float added to the logits of every step
+    of each prompt's samples (:func:`add_logit_bias`; a benchmark's length mix).
   Raises :class:`SamplingError` on bad input before compiling anything.
   """
   scfg = make_config(config, **options).validate(cfg.vocab_size)
@@ -764,6 +780,11 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
                         prompt_mask=z(0, 0), stopped=z(0, dt=bool),
                         prompt_truncated=z(0, dt=bool))
   rows, truncated, plen, offset, max_count, nproc = agreed
+  if logit_bias is not None:
+    logit_bias = np.asarray(logit_bias, np.float32)
+    if logit_bias.shape != (len(rows), cfg.vocab_size):
+      raise SamplingError(f"logit_bias has shape {logit_bias.shape}; expected "
+                          f"[num_prompts, vocab] = {(len(rows), cfg.vocab_size)}.")
   temperature = np.float32(scfg.temperature if not scfg.is_greedy else 1.0)
   top_p = np.float32(scfg.top_p)
   stop_ids = stop_id_array(scfg.stop_token_ids)
@@ -787,9 +808,14 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
     start = sh.local_row_start(d_toks) * n  # this process's first output row
     # under the mesh, attention picks its kernel from the mesh's devices (Pallas on TPU)
     mesh_ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+    extra = ()
+    if logit_bias is not None:
+      bias = np.zeros((bb, cfg.vocab_size), np.float32)
+      bias[:len(chunk)] = logit_bias[ci * max_b:ci * max_b + len(chunk)]
+      extra = (put(bias),)
     with warnings.catch_warnings(), mesh_ctx:  # donated prompts alias outputs only when n == 1
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      res = fn(params, d_toks, put(mask), key, temperature, top_p, stop_ids, put(ids))
+      res = fn(params, d_toks, put(mask), key, temperature, top_p, stop_ids, put(ids), *extra)
     keep = len(chunk) * n  # dummy prompts are the last rows
     outs.append({k: sh.host_rows(v, (start, start + keep)) for k, v in res.items()})
   cat = {k: np.concatenate([o[k] for o in outs], axis=0) for k in outs[0]}

@@ -14,6 +14,9 @@ Modes:
   restore    ONE process, another mesh (data=2, fsdp=2, tensor=2): restore the
              2-process checkpoint, continue one step.
   bad_mesh   after jax.distributed start-up: meshes that do not fit the processes.
+  engine     2 processes, data=8 mesh: each samples its own prompts (3 and 5, and then
+             3 and none) with the static sampler and with the continuous engine
+             (fbos_jax.engine), greedy and sampled; writes both.
   init_only  only jax.distributed start-up (unreachable coordinator, missing peers).
 """
 
@@ -33,7 +36,7 @@ _ROOT = os.path.dirname(_HERE)
 def _parse():
   p = argparse.ArgumentParser()
   p.add_argument("--mode", required=True,
-                 choices=("train", "reference", "restore", "bad_mesh", "init_only"))
+                 choices=("train", "reference", "restore", "bad_mesh", "init_only", "engine"))
   p.add_argument("--process_id", type=int, default=0)
   p.add_argument("--num_processes", type=int, default=1)
   p.add_argument("--coordinator", default="")
@@ -281,9 +284,53 @@ def run_bad_mesh():
   write({"errors": errors, "process_count": jax.process_count()})
 
 
+def run_engine():
+  """Static sampler vs engine on this process's prompts, on the shared data=8 mesh."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from fbos_jax import engine as engine_lib
+  from fbos_jax import sampling
+  from fbos_jax import sharding as sh
+  from fbos_jax.model import qwen
+  mesh = sh.make_mesh(EQUIV_MESH)
+  cfg = qwen.ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64,
+                         intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=16, rope_theta=10000.0)
+  rng = np.random.default_rng(0)  # the same weights and prompts on every process
+  host = jax.tree.map(
+      lambda s: (1.0 + 0.2 * rng.standard_normal(s[0]) if len(s[0]) < 3 and s[1][-1] == "norm"
+                 else 0.12 * rng.standard_normal(s[0])).astype(np.float32),
+      qwen.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+  rep = NamedSharding(mesh, PartitionSpec())
+  params = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, rep, lambda i: x[i]), host)
+  prompts = [rng.integers(1, cfg.vocab_size, int(k)).tolist() for k in (5, 9, 2, 7, 4, 11, 3, 6)]
+  mine = prompts[:3] if jax.process_index() == 0 else prompts[3:]
+  ecfg = engine_lib.EngineConfig(slots=8, page_size=4, window=4, prefill_chunk=8)
+  key = jax.random.key_data(jax.random.key(5))
+  out = {"process_index": jax.process_index(), "calls": []}
+  base = dict(max_new_tokens=10, prompt_buckets=(12,), batch_buckets=(8,))
+  for name, kw, local in (("greedy", dict(temperature=0.0), mine),
+                          ("sampled", dict(temperature=0.8), mine),
+                          ("one_process_empty", dict(temperature=0.8),
+                           mine if jax.process_index() == 0 else [])):
+    kw = dict(base, **kw)
+    static = sampling.sample(params, cfg, local, key=key, n_per_prompt=2, mesh=mesh,
+                             rules=sh.DEFAULT_RULES, **kw)
+    stats = engine_lib.EngineStats()
+    eng = engine_lib.sample(params, cfg, local, key=key, n_per_prompt=2, mesh=mesh,
+                            rules=sh.DEFAULT_RULES, engine_config=ecfg, stats=stats, **kw)
+    out["calls"].append({
+        "name": name, "rows": int(eng.num_rows),
+        "static_tokens": static.tokens.tolist(), "engine_tokens": eng.tokens.tolist(),
+        "static_logprobs": static.logprobs.tolist(), "engine_logprobs": eng.logprobs.tolist(),
+        "static_lengths": static.lengths.tolist(), "engine_lengths": eng.lengths.tolist(),
+        "stats": stats.as_dict()})
+  write(out)
+
+
 def main():
   t0 = time.time()
-  if ARGS.mode in ("train", "bad_mesh", "init_only"):
+  if ARGS.mode in ("train", "bad_mesh", "init_only", "engine"):
     try:
       ok = distributed.initialize(ARGS.coordinator, ARGS.num_processes, ARGS.process_id,
                                   timeout_s=ARGS.timeout_s)
@@ -295,7 +342,7 @@ def main():
     if ARGS.mode == "init_only":
       return
   {"train": run_train, "reference": run_reference, "restore": run_restore,
-   "bad_mesh": run_bad_mesh}[ARGS.mode]()
+   "bad_mesh": run_bad_mesh, "engine": run_engine}[ARGS.mode]()
   print(f"{ARGS.mode} done in {time.time() - t0:.1f}s", flush=True)
 
 

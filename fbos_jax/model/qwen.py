@@ -52,6 +52,10 @@ together with a layer-split cache (``k``/``v`` tuples of ``L`` per-layer
 arrays, :func:`init_cache` with ``split=True``) runs a Python loop over layers
 instead: no per-layer dynamic slices of weights or cache, which is much faster
 for small-batch decode on CPU, at a compile time that grows with depth.
+
+Paged cache (:func:`paged_forward`, the continuous engine): the same layers,
+with the cache write and the attention handed to a callback that works on a
+pool of pages (:mod:`fbos_jax.model.paged_attention`).
 """
 
 from __future__ import annotations
@@ -465,6 +469,40 @@ def forward(params: Params, tokens: jax.Array, attention_mask: jax.Array,
     h, _ = jax.lax.scan(body, h, params["layers"])
   h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
   return h, None
+
+
+def paged_forward(params: Params, tokens: jax.Array, positions: jax.Array, cfg: ModelConfig,
+                  pool: Any, attend):
+  """The decoder over a paged KV cache (the continuous engine, :mod:`fbos_jax.engine`).
+
+  tokens, positions [B, T] (absolute positions in each row; no padding
+  semantics here). ``attend(layer, q, k, v, pool) -> (out, pool)`` writes the
+  new keys / values (k, v [B, T, K, Dh], after RoPE) of ``layer`` into
+  ``pool`` and attends q [B, T, H, Dh] over the row's pages
+  (:mod:`fbos_jax.model.paged_attention`); ``layer`` is a Python int when
+  ``params["layers"]`` is a per-layer list (:func:`split_layers`), else a
+  traced index of a ``fori_loop`` over the stacked layers. Returns
+  (hidden [B, T, D] after the final norm, pool).
+  """
+  h = jnp.take(params["embed"], tokens, axis=0).astype(cfg.dtype)
+  rope_cs = rope_tables(positions, cfg.head_dim, cfg.rope_theta)  # shared by all layers
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    for l, lp in enumerate(layers):
+      q, k, v = _project_qkv(cfg, h, lp, positions, rope_cs)
+      attn, pool = attend(l, q, k, v, pool)
+      h = _finish_layer(cfg, h, attn, lp)
+  else:
+    def body(l, carry):
+      h, pool = carry
+      lp = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, l, keepdims=False), layers)
+      q, k, v = _project_qkv(cfg, h, lp, positions, rope_cs)
+      attn, pool = attend(l, q, k, v, pool)
+      return _finish_layer(cfg, h, attn, lp), pool
+
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    h, pool = jax.lax.fori_loop(0, num_layers, body, (h, pool))
+  return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), pool
 
 
 def unembed_matrix(params: Params, cfg: ModelConfig) -> jax.Array:

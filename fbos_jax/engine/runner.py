@@ -1,0 +1,582 @@
+"""The host side of the engine: admission, pages, windows, finished rows.
+
+One :class:`Engine` per (model, sampling options, engine options, mesh); its
+:meth:`Engine.run` is the streaming loop, :meth:`Engine.sample` the drop-in
+for ``sampling.sample``. The loop, per iteration:
+
+1. take new requests from the feed (``feed.poll()``, never blocking);
+2. admission: fill free places with waiting samples (a shard has
+   ``slots / shards`` slots and ``staged / shards`` places in its staging
+   queue), a prompt's samples together on one batch shard where they fit;
+   allocate the prompt's pages (its full pages shared by the samples, its
+   partial last page written once per sample) and prefill the prompt (all but
+   its last token) in chunks of at most ``engine.prefill_chunk`` tokens;
+3. allocate, per row, the pages the next window can write into
+   (``min(window, tokens left)`` positions);
+4. run one decode window over each shard's first rows (its slots) with the rest
+   staged: a slot whose row stops takes the next staged row inside the window;
+   hand every row that stopped to the callback and free its pages.
+
+Every page is back in the free list when ``run`` returns or raises
+(``try/finally``); the allocator checks it.
+
+Several processes (a mesh over the devices of several hosts): each process
+owns the slots on its own batch shards and schedules its own requests, but the
+programs are collective, so every process runs the same sequence of prefill
+and window calls with the same shapes. Once per iteration the processes
+exchange a few ints (``fbos_jax.distributed.allgather_ints``): rows and pages
+each needs, whether requests are waiting, whether its feed is finished and how
+many prefill rounds it has (then once per prefill round: its shapes). They
+take the maxima as the call's buckets; a process with nothing to do passes
+idle rows (page table all null pages). The window's early-exit test runs on
+the global rows inside the program, so every process leaves it at the same
+step. The loop ends when every process's feed is finished and no process has a
+row; while some feed is open and nothing is runnable anywhere, all wait
+(``verify_wait_s``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import time
+from typing import Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fbos_jax import buckets
+from fbos_jax import sampling
+from fbos_jax import sharding as sh
+from fbos_jax.engine import programs
+from fbos_jax.engine.pages import PageAllocator
+from fbos_jax.engine.types import (EngineConfig, EngineError, EngineStats, FinishedRow, ListFeed,
+                                   Request, RowCallback, Timer)
+from fbos_jax.model import paged_attention as PA
+from fbos_jax.model import qwen
+
+_NULL = PA.NULL_PAGE
+
+
+def pow2_buckets(cap: int, start: int = 1) -> tuple:
+  """start, 2*start, 4*start, ... below cap, and cap itself."""
+  out, b = [], max(1, int(start))
+  while b < cap:
+    out.append(b)
+    b *= 2
+  return tuple(out) + (int(cap),)
+
+
+def _bucket(n: int, bks: Sequence[int], what: str, field: str) -> int:
+  return buckets.pick_bucket(max(int(n), 1), bks, what=what, field=field)
+
+
+def _raw_key(key) -> np.ndarray:
+  """A threefry key as raw uint32[2] (the static sampler's form inside its program)."""
+  if key is None:
+    return np.zeros((2,), np.uint32)
+  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if str(jax.random.key_impl(key)) != "threefry2x32":
+      raise EngineError(f"the engine takes threefry keys; got a {jax.random.key_impl(key)} key.")
+    key = jax.random.key_data(key)
+  k = np.asarray(key)
+  if k.shape != (2,) or k.dtype != np.uint32:
+    raise EngineError(f"a request key must be a threefry key (uint32[2] or typed); got "
+                      f"{k.dtype}{list(k.shape)}.")
+  return k
+
+
+class _Row:
+  """One sample being decoded (host state)."""
+  __slots__ = ("req", "j", "shard", "pages", "pos", "step", "last", "limit", "key", "sid",
+               "bias", "tokens", "logprobs", "first_window")
+
+  def __init__(self, req, j, shard, pages, pos, last, limit, key, sid, bias):
+    self.req, self.j, self.shard, self.pages = req, j, shard, pages
+    self.pos, self.step, self.last, self.limit = pos, 0, last, limit
+    self.key, self.sid, self.bias = key, sid, bias
+    self.tokens, self.logprobs = [], []
+    self.first_window = -1
+
+
+class _Piece:
+  """The prefill of one prompt for the samples admitted together on one shard."""
+  __slots__ = ("shard", "tokens", "pages", "copies", "done")
+
+  def __init__(self, shard, tokens, pages, copies):
+    self.shard, self.tokens, self.pages, self.copies = shard, tokens, pages, copies
+    self.done = 0  # tokens prefilled so far
+
+
+class _Waiting:
+  __slots__ = ("req", "prompt", "js", "key", "bias", "limit")
+
+  def __init__(self, req, prompt, js, key, bias, limit):
+    self.req, self.prompt, self.js, self.key, self.bias, self.limit = req, prompt, js, key, bias, limit
+
+
+class Engine:
+  """The continuous-batching engine for one model / sampling / engine config / mesh.
+
+  ``logit_bias=True`` builds programs that add a per-row logit bias (each request's
+  ``logit_bias``; the benchmark's length mix)."""
+
+  def __init__(self, cfg: qwen.ModelConfig, config: Optional[sampling.SamplingConfig] = None,
+               engine_config: Optional[EngineConfig] = None, *, mesh=None, rules=None,
+               logit_bias: bool = False, **options):
+    self.cfg = cfg
+    self.scfg = sampling.make_config(config, **options).validate(cfg.vocab_size)
+    self.ecfg = (engine_config or EngineConfig()).validate()
+    self.mesh, self.rules = mesh, rules
+    e, s = self.ecfg, self.scfg
+    self.nproc = sampling._mesh_processes(mesh)
+    self.shards = sh.batch_shard_count(mesh) if mesh is not None else 1
+    if e.slots % self.shards:
+      raise EngineError(f"engine.slots={e.slots} must be a multiple of the mesh's "
+                        f"{self.shards} batch shards (dcn*data*fsdp).")
+    if self.shards % self.nproc:
+      raise EngineError(f"the mesh's {self.shards} batch shards do not divide over "
+                        f"{self.nproc} processes.")
+    self.sps = e.slots // self.shards  # slots per shard
+    staged = e.slots if e.staged == -1 else int(e.staged)
+    if staged % self.shards:
+      raise EngineError(f"engine.staged={e.staged} must be a multiple of the mesh's "
+                        f"{self.shards} batch shards.")
+    self.qs = staged // self.shards  # staged rows per shard
+    self.local_shards = self.shards // self.nproc
+    self.R = int(s.max_new_tokens)
+    self.max_prompt = int(e.max_prompt_len or max(int(b) for b in s.prompt_buckets))
+    ps = e.page_size
+    self.row_pages = -(-(self.max_prompt + self.R - 1) // ps)  # pages of the longest row
+    self.stage_pages = -(-(self.max_prompt + min(e.window, self.R) - 1) // ps)
+    need = self.sps * self.row_pages + self.qs * self.stage_pages + 1
+    if e.num_pages and e.num_pages < need:
+      raise EngineError(
+          f"engine.num_pages={e.num_pages} per batch shard is too small: {self.sps} slots per "
+          f"shard (engine.slots={e.slots} over {self.shards} shard(s)) x {self.row_pages} pages "
+          f"per row (prompt {self.max_prompt} + max_new_tokens {self.R} - 1 tokens at "
+          f"engine.page_size={ps}) + {self.qs} staged rows per shard (engine.staged) x "
+          f"{self.stage_pages} pages (prompt + one window) + 1 null page = {need}. Raise "
+          "engine.num_pages (or 0 for that size), or lower engine.slots / engine.staged / "
+          "sampling.max_new_tokens / the prompt length.")
+    self.pages_per_shard = int(e.num_pages or need)
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    device_kind = mesh.devices.flat[0].device_kind if mesh is not None else None
+    impl = PA.choose(e.attention, platform)
+    unroll = {"unroll": True, "scan": False}.get(s.layer_loop, platform == "cpu")
+    if impl == "pallas":
+      unroll = True  # the kernel reads one pool array per layer in place
+    self.st = programs.Static(
+        page_size=ps, window=int(e.window), greedy=s.is_greedy, top_k=int(s.top_k),
+        use_top_p=float(s.top_p) < 1.0,
+        num_stop_slots=sampling._stop_slots(len(s.stop_token_ids)), pad_id=int(s.pad_id),
+        unroll=unroll, cache_dtype=s.cache_dtype, impl=impl, shards=self.shards,
+        bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None,
+        swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps)
+    self.row_buckets = tuple(e.row_buckets) or pow2_buckets(self.sps)
+    self.page_buckets = tuple(e.page_buckets) or pow2_buckets(self.row_pages)
+    self.prefill_buckets = tuple(e.prefill_buckets) or pow2_buckets(e.prefill_chunk, 16)
+    self.chunk = min(int(e.prefill_chunk), max(self.prefill_buckets))
+    if max(self.row_buckets) < self.sps:
+      raise EngineError(f"engine.row_buckets={e.row_buckets} must reach the {self.sps} slots "
+                        "per batch shard.")
+    if max(self.page_buckets) < self.row_pages:
+      raise EngineError(f"engine.page_buckets={e.page_buckets} must reach {self.row_pages} "
+                        "pages (the longest row).")
+    self.pages = PageAllocator(self.local_shards, self.pages_per_shard)
+    self.stop_ids = set(int(t) for t in s.stop_token_ids)
+
+  # ------------------------------------------------------------------------- helpers
+
+  def _fn(self, kind):
+    return programs.get_fn(kind, self.cfg, self.st, mesh=self.mesh, rules=self.rules,
+                           pages_per_shard=self.pages_per_shard)
+
+  def _put(self, x):
+    x = np.asarray(x)
+    if self.mesh is None:
+      return jnp.asarray(x)
+    return sh.put_process_local(x, self.mesh)
+
+  def _agree(self, *values) -> np.ndarray:
+    """[processes, len(values)]: every process's values (collective when several)."""
+    if self.nproc == 1:
+      return np.asarray([values], np.int64)
+    from fbos_jax import distributed
+    return distributed.allgather_ints(*values)
+
+  def _read(self, x, rows: int) -> np.ndarray:
+    start = sh.local_row_start(x)
+    return sh.host_rows(x, (start, start + rows))
+
+  def _check_request(self, req: Request) -> _Waiting:
+    prompt = np.asarray(list(req.prompt), np.int64).reshape(-1)
+    tag = f"request {req.tag!r}"
+    if prompt.size == 0:
+      raise EngineError(f"{tag} has an empty prompt (the model needs at least one token).")
+    if prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
+      raise EngineError(f"{tag} has token ids outside [0, {self.cfg.vocab_size}).")
+    if prompt.size > self.max_prompt:
+      raise EngineError(f"{tag} has {prompt.size} prompt tokens, more than the engine's "
+                        f"{self.max_prompt} (engine.max_prompt_len, default the largest "
+                        "sampling.prompt_buckets), which sizes the page pool.")
+    if int(req.n) < 1:
+      raise EngineError(f"{tag}: n={req.n} must be >= 1.")
+    limit = self.R if req.max_new_tokens is None else int(req.max_new_tokens)
+    if not 1 <= limit <= self.R:
+      raise EngineError(f"{tag}: max_new_tokens={req.max_new_tokens} must be in [1, "
+                        f"sampling.max_new_tokens={self.R}].")
+    if req.key is None and not self.st.greedy:
+      raise EngineError(f"{tag} has no key (sampling is not greedy).")
+    bias = None
+    if self.st.bias:
+      bias = (np.zeros((self.cfg.vocab_size,), np.float32) if req.logit_bias is None
+              else np.asarray(req.logit_bias, np.float32))
+      if bias.shape != (self.cfg.vocab_size,):
+        raise EngineError(f"{tag}: logit_bias has shape {bias.shape}; expected "
+                          f"({self.cfg.vocab_size},).")
+    elif req.logit_bias is not None:
+      raise EngineError(f"{tag} has a logit_bias but the engine was built without logit "
+                        "biases (Engine(..., logit_bias=True)).")
+    return _Waiting(req, prompt, list(range(int(req.n))), _raw_key(req.key), bias, limit)
+
+  # ------------------------------------------------------------------------- admission
+
+  def _admit(self, waiting: collections.deque, rows: list, pieces: list) -> int:
+    """Fill free slots from ``waiting`` (host only). Returns the samples admitted."""
+    ps = self.st.page_size
+    admitted = 0
+    while waiting:
+      free = [self.sps + self.qs - len(r) for r in rows]  # slots, then the staging queue
+      s = int(np.argmax(free))
+      if free[s] == 0:
+        break
+      w = waiting[0]
+      take = min(free[s], len(w.js))
+      js, w.js = w.js[:take], w.js[take:]
+      if not w.js:
+        waiting.popleft()
+      f = int(w.prompt.size) - 1  # prefilled tokens (the last one is the first decode step)
+      full, partial = divmod(f, ps)
+      shared = self.pages.alloc(s, full, refs=take)
+      tail = self.pages.alloc(s, 1 + (take - 1)) if partial else []
+      prompt_pages = shared + tail[:1]
+      copies = tail[1:]  # private copies of the partial last page
+      if f:
+        pieces.append(_Piece(s, w.prompt[:f], prompt_pages, copies))
+      for a, j in enumerate(js):
+        own = shared + ([tail[a]] if partial else [])
+        rows[s].append(_Row(w.req, j, s, own, f, int(w.prompt[-1]), w.limit, w.key,
+                            int(w.req.sid_base) + j, w.bias))
+      admitted += take
+    return admitted
+
+  def _prefill(self, params, pool, pieces: list, stats: EngineStats):
+    """Every chunk of the admitted prompts (collective: agreed shapes per round)."""
+    ps = self.st.page_size
+    rounds_local = max((-(-p.tokens.size // self.chunk) for p in pieces), default=0)
+    rounds = int(self._agree(rounds_local)[:, 0].max())
+    for _ in range(rounds):
+      todo = [p for p in pieces if p.done < p.tokens.size]
+      per_shard = [[p for p in todo if p.shard == s] for s in range(self.local_shards)]
+      clen = max((min(self.chunk, p.tokens.size - p.done) for p in todo), default=1)
+      pages = max((-(-min(p.tokens.size, p.done + self.chunk) // ps) for p in todo), default=1)
+      ncopy = max((len(p.copies) for p in todo), default=0)
+      g = self._agree(max(map(len, per_shard)), clen, pages, ncopy).max(0)
+      bp = _bucket(g[0], self.row_buckets, "prefill rows", "engine.row_buckets")
+      c = _bucket(g[1], self.prefill_buckets, "prefill chunk", "engine.prefill_buckets")
+      pb = _bucket(g[2], self.page_buckets, "page-table width", "engine.page_buckets")
+      nc = _bucket(g[3], pow2_buckets(self.sps), "page copies", "") if g[3] else 0
+      n = self.local_shards * bp
+      tok = np.full((n, c), self.scfg.pad_id, np.int32)
+      start = np.zeros((n,), np.int32)
+      nvalid = np.zeros((n,), np.int32)
+      table = np.full((n, pb), _NULL, np.int32)
+      tail = np.full((n,), -1, np.int32)
+      copies = np.full((n, nc), _NULL, np.int32)
+      for s, ps_list in enumerate(per_shard):
+        for i, p in enumerate(ps_list):
+          r = s * bp + i
+          k = min(self.chunk, p.tokens.size - p.done)
+          tok[r, :k] = p.tokens[p.done:p.done + k]
+          start[r], nvalid[r] = p.done, k
+          used = p.pages[:pb]
+          table[r, :len(used)] = used
+          if p.copies:
+            tail[r] = len(p.pages) - 1
+            copies[r, :len(p.copies)] = p.copies
+      with self._mesh_ctx():
+        pool = self._fn("prefill")(params, pool, self._put(tok), self._put(start),
+                                   self._put(nvalid), self._put(table), self._put(tail),
+                                   self._put(copies))
+      for p in todo:
+        p.done = min(p.tokens.size, p.done + self.chunk)
+      stats.prefills += 1
+    pieces.clear()
+    return pool
+
+  def _mesh_ctx(self):
+    return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+  # ------------------------------------------------------------------------- the loop
+
+  def run(self, params, feed, on_row: RowCallback, *, stats: Optional[EngineStats] = None
+          ) -> EngineStats:
+    """Decode every request the feed hands out; call ``on_row`` with each row that
+    stops (between windows, on this host). Returns (and updates) ``stats``. With
+    several processes every process calls ``run`` together with its own feed."""
+    stats = stats if stats is not None else EngineStats()
+    timer = Timer()
+    ps, w = self.st.page_size, self.st.window
+    rows: list = [[] for _ in range(self.local_shards)]
+    waiting: collections.deque = collections.deque()
+    pieces: list = []
+    pool = None
+    self._windows = 0
+    nap = 0.0005
+    try:
+      with self._mesh_ctx():
+        pool = self._fn("init")()
+      while True:
+        for req in feed.poll():
+          waiting.append(self._check_request(req))
+        admitted = self._admit(waiting, rows, pieces)
+        if admitted:
+          stats.refills += 1
+        # pages for what the next window can write: positions [pos, pos + min(W, left))
+        for shard_rows in rows:
+          for r in shard_rows:
+            last_pos = r.pos + min(w, r.limit - r.step) - 1
+            need = last_pos // ps + 1 - len(r.pages)
+            if need > 0:
+              r.pages.extend(self.pages.alloc(r.shard, need))
+        stats.pages_peak = max(stats.pages_peak, self.pages.in_use())
+        live = sum(map(len, rows))
+        g = self._agree(max(min(len(rr), self.sps) for rr in rows),
+                        max(max(len(rr) - self.sps, 0) for rr in rows),
+                        max((len(r.pages) for rr in rows for r in rr), default=0),
+                        int(bool(waiting)), int(feed.finished() and not waiting and not live),
+                        live)
+        if pieces or self.nproc > 1:
+          pool = self._prefill(params, pool, pieces, stats)
+        if g[:, 0].max() == 0:
+          if g[:, 4].all():
+            break
+          t0 = time.perf_counter()  # nothing runnable anywhere: wait for the feed
+          time.sleep(nap)
+          nap = min(nap * 2, 0.01)
+          stats.verify_wait_s += time.perf_counter() - t0
+          continue
+        nap = 0.0005
+        pool = self._run_window(params, pool, rows, g, stats, on_row)
+      self.pages.check_all_free()
+    finally:
+      for shard_rows in rows:
+        for r in shard_rows:
+          self.pages.release(r.shard, r.pages)
+        shard_rows.clear()
+      del pool
+      stats.wall_s += timer()
+    return stats
+
+  def _run_window(self, params, pool, rows, g, stats, on_row):
+    """One window over each shard's first ``sps`` rows (the slots), the rest of its
+    rows staged; then the rows' new tokens, finished rows to the callback."""
+    rb = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
+    qb = self.qs if g[:, 1].max() > 0 else 0
+    pb = _bucket(g[:, 2].max(), self.page_buckets, "page-table width", "engine.page_buckets")
+    n, nq = self.local_shards * rb, self.local_shards * qb
+    b_global = self.shards * rb
+    waiting_any = bool(g[:, 3].any())
+    live_global = int(g[:, 5].sum())
+    min_idle = (max(1, math.ceil(self.ecfg.refill_fraction * min(live_global, b_global)))
+                if waiting_any else b_global + 1)
+    smaller = [x for x in self.row_buckets if x < rb]
+    shrink_to = max(smaller) if (self.ecfg.shrink and not waiting_any and smaller) else -1
+    v = self.cfg.vocab_size
+
+    def arrays(m):
+      return dict(last=np.full((m,), self.scfg.pad_id, np.int32), pos=np.zeros((m,), np.int32),
+                  step=np.zeros((m,), np.int32), limit=np.ones((m,), np.int32),
+                  keys=np.zeros((m, 2), np.uint32), sids=np.zeros((m,), np.uint32),
+                  table=np.full((m, pb), _NULL, np.int32),
+                  bias=np.zeros((m, v), np.float32) if self.st.bias else None)
+
+    def fill(a, k, r):
+      a["last"][k], a["pos"][k], a["step"][k], a["limit"][k] = r.last, r.pos, r.step, r.limit
+      a["keys"][k], a["sids"][k] = r.key, r.sid
+      a["table"][k, :len(r.pages)] = r.pages
+      if a["bias"] is not None:
+        a["bias"][k] = r.bias
+
+    sa, qa = arrays(n), arrays(nq)
+    live = np.zeros((n,), bool)
+    count = np.zeros((self.local_shards,), np.int32)
+    slot_rows, staged_rows = {}, {}
+    for s, rr in enumerate(rows):
+      for i, r in enumerate(rr[:self.sps]):
+        fill(sa, s * rb + i, r)
+        live[s * rb + i] = True
+        slot_rows[s * rb + i] = r
+      for i, r in enumerate(rr[self.sps:self.sps + qb]):
+        fill(qa, s * qb + i, r)
+        staged_rows[s * qb + i] = r
+      count[s] = min(max(len(rr) - self.sps, 0), qb)
+    put = self._put
+    args = [params, pool] + [put(sa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids")]
+    args += [put(live), put(sa["table"])]
+    args += [put(qa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids", "table")]
+    args += [put(count), np.float32(1.0 if self.scfg.is_greedy else self.scfg.temperature),
+             np.float32(self.scfg.top_p), sampling.stop_id_array(self.scfg.stop_token_ids),
+             np.int32(min_idle), np.int32(shrink_to)]
+    if self.st.bias:
+      args += [put(sa["bias"]), put(qa["bias"])]
+    t0 = time.perf_counter()
+    with self._mesh_ctx():
+      pool, toks, lps, srcs, final, nxt, steps = self._fn("window")(*args)
+    row_off = sh.local_row_start(toks)  # this process's first slot (global)
+    first_shard = row_off // rb
+    toks, lps, srcs, final = (self._read(x, n) for x in (toks, lps, srcs, final))
+    nxt = sh.host_rows(nxt, (first_shard, first_shard + self.local_shards))
+    steps = int(steps)
+    stats.window_s += time.perf_counter() - t0
+    stats.windows += 1
+    stats.slot_steps += n * steps
+    window = self._windows  # this run's window index
+    self._windows += 1
+    q_off = first_shard * qb
+
+    def row_of(gid):
+      if gid < b_global:
+        return slot_rows[gid - row_off]
+      return staged_rows[gid - b_global - q_off]
+
+    touched = []
+    for k in range(n):
+      ids = srcs[k, :steps]
+      i = 0
+      while i < steps:
+        gid = int(ids[i])
+        j = i + 1
+        while j < steps and ids[j] == gid:
+          j += 1
+        if gid >= 0:
+          r = row_of(gid)
+          if r.first_window < 0:
+            r.first_window = window
+          r.tokens.extend(toks[k, i:j].tolist())
+          r.logprobs.extend(lps[k, i:j].tolist())
+          r.last = int(toks[k, j - 1])
+          r.step += j - i
+          r.pos += j - i
+          stats.tokens += j - i
+          touched.append(r)
+        i = j
+    finished = [r for r in touched
+                if r.step >= r.limit or (r.tokens and r.tokens[-1] in self.stop_ids)]
+    gone = set(map(id, finished))
+    for s in range(len(rows)):
+      in_slots = [row_of(int(x)) for x in final[s * rb:(s + 1) * rb] if x >= 0]
+      untaken = [staged_rows[s * qb + i] for i in range(int(nxt[s]), int(count[s]))]
+      rest = rows[s][self.sps + qb:]  # admitted beyond this window's staging (not sent)
+      rows[s] = [r for r in in_slots + untaken + rest if id(r) not in gone]
+    for r in finished:  # every page back before any callback (which may raise)
+      self.pages.release(r.shard, r.pages)
+      r.pages = []
+      stats.rows += 1
+    for r in finished:
+      on_row(FinishedRow(request=r.req, j=r.j, tokens=np.asarray(r.tokens, np.int32),
+                         logprobs=np.asarray(r.logprobs, np.float32),
+                         stopped=bool(r.tokens) and r.tokens[-1] in self.stop_ids,
+                         first_window=r.first_window, last_window=window))
+    return pool
+
+  # ------------------------------------------------------------------------- sample
+
+  def sample(self, params, prompts, *, key, n_per_prompt: int = 1, prompt_mask=None,
+             allow_empty: bool = False, logit_bias=None,
+             stats: Optional[EngineStats] = None) -> sampling.SampleOutput:
+    """``sampling.sample`` on the engine: same arguments, same output, same key
+    contract (sample j of global prompt i draws from its own stream i * n + j)."""
+    scfg = self.scfg
+    n = int(n_per_prompt)
+    if n < 1:
+      raise sampling.SamplingError(f"n_per_prompt={n_per_prompt} must be >= 1.")
+    agreed = sampling._agree_prompts(sampling._as_rows(prompts, prompt_mask), scfg,
+                                     self.cfg.vocab_size, self.mesh, allow_empty)
+    r_len = self.R
+    if agreed is None:
+      z = lambda *shape, dt=np.int32: np.zeros(shape, dt)
+      return sampling.SampleOutput(tokens=z(0, r_len), lengths=z(0), response_mask=z(0, r_len),
+                                   logprobs=z(0, r_len, dt=np.float32), prompt_tokens=z(0, 0),
+                                   prompt_mask=z(0, 0), stopped=z(0, dt=bool),
+                                   prompt_truncated=z(0, dt=bool))
+    rows, truncated, plen, offset, _, _ = agreed
+    if plen > self.max_prompt:
+      raise EngineError(f"prompt bucket {plen} is longer than engine.max_prompt_len="
+                        f"{self.max_prompt}.")
+    if logit_bias is not None:
+      logit_bias = np.asarray(logit_bias, np.float32)
+      if logit_bias.shape != (len(rows), self.cfg.vocab_size):
+        raise sampling.SamplingError(f"logit_bias has shape {logit_bias.shape}; expected "
+                                     f"[num_prompts, vocab] = {(len(rows), self.cfg.vocab_size)}.")
+    raw = _raw_key(key)
+    reqs = [Request(prompt=r, n=n, key=raw, sid_base=(offset + i) * n, tag=i,
+                    logit_bias=None if logit_bias is None else logit_bias[i])
+            for i, r in enumerate(rows)]
+    total = len(rows) * n
+    tokens = np.full((total, r_len), scfg.pad_id, np.int32)
+    logprobs = np.zeros((total, r_len), np.float32)
+    lengths = np.zeros((total,), np.int32)
+    stopped = np.zeros((total,), bool)
+    seen = np.zeros((total,), bool)
+
+    def on_row(fr: FinishedRow):
+      k = fr.tag * n + fr.j
+      m = fr.tokens.size
+      tokens[k, :m] = fr.tokens
+      logprobs[k, :m] = fr.logprobs
+      lengths[k], stopped[k], seen[k] = m, fr.stopped, True
+
+    self.run(params, ListFeed(reqs), on_row, stats=stats)
+    if not seen.all():
+      raise EngineError(f"{int((~seen).sum())} of {total} rows never finished (an engine bug).")
+    ptoks, pmask = buckets.left_pad(rows, plen, scfg.pad_id)
+    mask = (np.arange(r_len)[None, :] < lengths[:, None]).astype(np.int32)
+    return sampling.SampleOutput(
+        tokens=tokens, lengths=lengths, response_mask=mask, logprobs=logprobs,
+        prompt_tokens=np.repeat(ptoks, n, axis=0), prompt_mask=np.repeat(pmask, n, axis=0),
+        stopped=stopped, prompt_truncated=np.repeat(truncated, n))
+
+
+# ----------------------------------------------------------------------------- functional API
+
+
+def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]], np.ndarray], *,
+           key: jax.Array, n_per_prompt: int = 1,
+           config: Optional[sampling.SamplingConfig] = None,
+           engine_config: Optional[EngineConfig] = None, mesh=None, rules=None,
+           prompt_mask=None, allow_empty: bool = False, logit_bias=None,
+           stats: Optional[EngineStats] = None, **options) -> sampling.SampleOutput:
+  """Drop-in for :func:`fbos_jax.sampling.sample` on the continuous engine: the same
+  arguments (plus ``engine_config`` and an optional ``stats`` to fill) and the same
+  :class:`~fbos_jax.sampling.SampleOutput`."""
+  engine = Engine(cfg, config, engine_config, mesh=mesh, rules=rules,
+                  logit_bias=logit_bias is not None, **options)
+  return engine.sample(params, prompts, key=key, n_per_prompt=n_per_prompt,
+                       prompt_mask=prompt_mask, allow_empty=allow_empty, logit_bias=logit_bias,
+                       stats=stats)
+
+
+def run(params, cfg: qwen.ModelConfig, feed, on_row: RowCallback, *,
+        config: Optional[sampling.SamplingConfig] = None,
+        engine_config: Optional[EngineConfig] = None, mesh=None, rules=None,
+        logit_bias: bool = False, stats: Optional[EngineStats] = None,
+        **options) -> EngineStats:
+  """The streaming entry: decode the requests ``feed`` hands out (``poll()`` between
+  windows, until ``finished()``), calling ``on_row`` with each finished row."""
+  engine = Engine(cfg, config, engine_config, mesh=mesh, rules=rules, logit_bias=logit_bias,
+                  **options)
+  return engine.run(params, feed, on_row, stats=stats)

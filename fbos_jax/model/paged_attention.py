@@ -1,0 +1,176 @@
+"""Attention over a paged KV cache: the one home of the page layout, the cache
+write and the two implementations (portable XLA, Pallas ragged kernel on TPU).
+
+Layout (the layout of ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``)::
+
+    pages        [N, page_size, 2K, Dh]   one layer's pool; combined head 2i = key of kv
+                                          head i, 2i + 1 = its value (k/v interleaved)
+    page_table   [B, pb]  int32           row b's logical page j is physical page
+                                          page_table[b, j]; token at position p lives in
+                                          page page_table[b, p // page_size], slot p % page_size
+    q            [B, T, H, Dh]            T new tokens per row (1 = decode, C = a prefill chunk)
+    q_pos        [B, T]   int32           each query's absolute position in its row
+    out          [B, T, H, Dh]
+
+(B rows, T query steps, N pages, H query heads, K kv heads, G = H // K query
+heads per kv head, Dh head dim.) Query i of row b attends to every position
+``p <= q_pos[b, i]`` of its row: the callers write a token's key/value
+(:func:`write`) before attending, and positions past a row's last written
+token are never attended (their slots may hold stale data from an earlier
+owner of the page). Page 0 is the **null page**: writes of padding tokens and
+of idle rows go there, and nothing real is ever read from it.
+
+Implementations (``impl``):
+
+- ``"xla"`` (:func:`attend_xla`): gather the row's pages
+  ``pages[page_table] -> [B, pb * page_size, K, Dh]`` and run masked
+  attention in float32 (scores scaled after the product, masked with
+  ``finfo(float32).min``, probabilities cast to the compute dtype before the
+  product with v: the arithmetic of :func:`fbos_jax.model.attention.dense`).
+  Cost follows ``pb`` (the page-table width the caller buckets), not the pool.
+- ``"pallas"`` (:func:`attend_pallas`): the TPU ragged paged attention kernel
+  reads the pages in place (no gather). Its queries must be the last ``T``
+  positions of each row (``q_pos[b] = kv_len[b] - T + arange(T)``), which is
+  how the engine calls it (decode steps and prefill chunks). The kernel does not
+  run in the Pallas TPU interpreter of this JAX (0.10.2): the kernel reshapes a
+  VMEM ref (``cur_async_copy_kv.wait().reshape(...)``) and the interpreter's
+  ``to_range`` handles only indexing transforms ("'ReshapeTransform' object has
+  no attribute 'indices'"), so it is checked by compiling it for a TPU topology
+  with libtpu (tests/test_paged_attention.py) and its math by
+  ``ref_ragged_paged_attention``.
+
+Neither function knows about the mesh: the engine calls them per batch shard
+inside ``jax.shard_map`` (each shard owns its rows and its pages).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+NULL_PAGE = 0
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def choose(impl: str, platform: str) -> str:
+  """Resolve ``impl`` for a program compiled for ``platform``: auto = pallas on TPU."""
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"engine.attention={impl!r}; expected one of {IMPLEMENTATIONS}.")
+  if impl == "auto":
+    return "pallas" if platform == "tpu" else "xla"
+  return impl
+
+
+def interleave(k, v):
+  """k, v [..., K, Dh] -> [..., 2K, Dh] with k at even and v at odd combined heads."""
+  return jnp.stack([k, v], axis=-2).reshape(k.shape[:-2] + (2 * k.shape[-2], k.shape[-1]))
+
+
+def write(pages, k, v, page, slot, layer=None):
+  """Write new keys / values into the pool.
+
+  pages [N, ps, 2K, Dh] (or [L, N, ps, 2K, Dh] with a ``layer`` index);
+  k, v [B, T, K, Dh]; page, slot [B, T] int32 (padding and idle rows: page 0).
+  Returns the updated pages (an in-place scatter when the buffer is donated or
+  loop-carried)."""
+  kv = interleave(k, v).astype(pages.dtype)
+  if layer is None:
+    return pages.at[page, slot].set(kv)
+  lidx = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), page.shape)
+  return pages.at[lidx, page, slot].set(kv)
+
+
+def gather(pages, page_table, layer=None):
+  """The rows' keys and values, contiguous: (k, v) [B, pb * ps, K, Dh]."""
+  g = pages[page_table] if layer is None else pages[layer][page_table]
+  b, pb, ps, kk, dh = g.shape
+  g = g.reshape(b, pb * ps, kk // 2, 2, dh)
+  return g[..., 0, :], g[..., 1, :]
+
+
+def attend_xla(q, pages, page_table, q_pos, *, layer=None, dtype=None):
+  """Masked attention over gathered pages (see the module docstring).
+
+  q [B, T, H, Dh]; pages [N, ps, 2K, Dh] (or stacked with ``layer``);
+  page_table [B, pb]; q_pos [B, T] -> [B, T, H, Dh] in ``dtype`` (default q's)."""
+  dtype = jnp.dtype(dtype or q.dtype)
+  b, t, h, dh = q.shape
+  k, v = gather(pages, page_table, layer)
+  k, v = k.astype(dtype), v.astype(dtype)
+  s, kv = k.shape[1], k.shape[2]
+  qg = q.reshape(b, t, kv, h // kv, dh)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, k,
+                      preferred_element_type=jnp.float32) / math.sqrt(dh)
+  allowed = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= q_pos[:, :, None]  # [B, T, S]
+  scores = jnp.where(allowed[:, None, None], scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, h, dh)
+
+
+def kernel_block_sizes(device_kind: str, q, pages, pages_per_seq: int) -> tuple[int, int]:
+  """(kv pages, queries) per kernel block for a program compiled for ``device_kind``
+  (e.g. "TPU v5"): the kernel's own tuned table, looked up for the target chip
+  (``get_tuned_block_sizes`` reads ``jax.devices()``, i.e. the host's CPU when
+  compiling for a TPU topology), else its defaults."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as K
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as T
+  n_tokens, h, dh = q.shape
+  _, ps, kk, _ = pages.shape
+  qh, kvh = K.get_min_heads_per_blk(h, kk, q.dtype, pages.dtype)
+  key = T.simplify_key((q.dtype, pages.dtype, qh, kvh // 2, dh, ps, n_tokens, pages_per_seq))
+  name = " ".join(device_kind.split()[:2])
+  bkv, bq = (32, 32) if name == "TPU v4" else T.TUNED_BLOCK_SIZES.get(name, {}).get(key, (128, 32))
+  return min(pages_per_seq, bkv), min(n_tokens, bq)
+
+
+def attend_pallas(q, pages, page_table, q_pos, *, layer=None, dtype=None,
+                  device_kind: Optional[str] = None,
+                  num_kv_pages_per_block: Optional[int] = None,
+                  num_queries_per_block: Optional[int] = None):
+  """The TPU ragged paged attention kernel on the same arguments as
+  :func:`attend_xla` (``layer`` must be None: the kernel reads a whole pool
+  array in place, so the engine keeps one pool array per layer on TPU).
+  Query i of row b must sit at ``q_pos[b, 0] + i`` and be among the row's last
+  T positions (``kv_len = q_pos[:, -1] + 1``). ``device_kind``: the target
+  chip, for the kernel's block sizes (:func:`kernel_block_sizes`; default: the
+  kernel's own lookup on ``jax.devices()``)."""
+  from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+  if layer is not None:
+    raise ValueError("the Pallas paged kernel needs one pool array per layer "
+                     "(sampling.layer_loop='unroll'), not a stacked pool.")
+  del dtype
+  b, t, h, dh = q.shape
+  if device_kind is not None and num_kv_pages_per_block is None:
+    num_kv_pages_per_block, num_queries_per_block = kernel_block_sizes(
+        device_kind, q.reshape(b * t, h, dh), pages, page_table.shape[1])
+  kv_lens = (q_pos[:, -1] + 1).astype(jnp.int32)
+  cu_q_lens = (jnp.arange(b + 1, dtype=jnp.int32) * t)
+  out = rpa.ragged_paged_attention(
+      q.reshape(b * t, h, dh), pages, kv_lens, page_table.astype(jnp.int32), cu_q_lens,
+      jnp.full((1,), b, jnp.int32), sm_scale=1.0 / math.sqrt(dh),
+      num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block)
+  return out.reshape(b, t, h, dh)
+
+
+def attend(impl: str, q, pages, page_table, q_pos, *, layer=None, dtype=None,
+           device_kind: Optional[str] = None):
+  """:func:`attend_xla` or :func:`attend_pallas` (``impl`` already resolved)."""
+  if impl == "pallas":
+    return attend_pallas(q, pages, page_table, q_pos, layer=layer, dtype=dtype,
+                         device_kind=device_kind)
+  if impl == "xla":
+    return attend_xla(q, pages, page_table, q_pos, layer=layer, dtype=dtype)
+  raise ValueError(f"paged attention impl {impl!r}; expected 'xla' or 'pallas' "
+                   "(resolve 'auto' with choose()).")
+
+
+def write_targets(page_table, positions, valid, page_size: int):
+  """Where each new token goes: (page, slot) [B, T] int32; invalid tokens -> the null page."""
+  logical = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+  page = jnp.take_along_axis(page_table, logical, axis=1)
+  return jnp.where(valid, page, NULL_PAGE).astype(jnp.int32), (positions % page_size).astype(jnp.int32)

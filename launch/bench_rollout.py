@@ -1,0 +1,171 @@
+"""Static sampler vs continuous engine on the same rollout workload, in one run.
+
+    python launch/bench_rollout.py                 # ~2-4 minutes on 2 cores
+    python launch/bench_rollout.py --repeats=5 --slots=64 --prompts=512
+
+Workload ``long_tail`` (issue 22 (a)): a random tiny Qwen3 (vocab 512, hidden 128,
+2 layers, 4 heads / 2 kv heads of 32, float32) samples ``--n`` rows for each of
+``--prompts`` prompts of 8-48 tokens at temperature 1. Each prompt gets an EOS
+logit bias (the same per-prompt bias in both samplers, ``logit_bias=``) that
+sets its rows' per-step stop probability to 1 / m, m drawn lognormal
+(median ``--median_len``, sigma ``--sigma``), so row lengths are a long-tailed
+mix capped by ``--max_new_tokens``; the run prints the lengths' median and p99
+(the issue asks p99 / median >= 8).
+
+Both sides get the same slots: the static sampler runs ``--slots / n`` prompts
+per call (``sampling.batch_buckets``), i.e. ``--slots`` rows at a time, each
+call until its longest row stops; the engine keeps ``--slots`` rows decoding
+and refills a slot as soon as its row stops. Every figure is the median of
+``--repeats`` timed runs after one warm-up run each (compiles excluded), the
+two samplers timed in alternation (A B A B ...) so that both see the same
+background load; wall time is end-to-end ``sample()`` (host input and output
+included).
+
+Printed per sampler: generated tokens/s, slot utilisation (generated tokens /
+slot-steps computed: static = rows x steps of every call, engine = rows x steps
+of every window), wall time, and for the engine where its time goes (windows
+incl. device work, host scheduling, prefill calls, windows, refills). The last
+line is JSON: ``{"long_tail": {"static_tok_s", "continuous_tok_s", "ratio",
+"static_slot_util", "continuous_slot_util", ...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from fbos_jax import engine as engine_lib  # noqa: E402
+from fbos_jax import sampling  # noqa: E402
+from fbos_jax.model import qwen  # noqa: E402
+
+MODEL = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=384,
+             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0)
+
+
+def parse_args(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--prompts", type=int, default=256)
+  ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+  ap.add_argument("--slots", type=int, default=32, help="rows decoding at once (both samplers)")
+  ap.add_argument("--max_new_tokens", type=int, default=160)
+  ap.add_argument("--median_len", type=float, default=12.0)
+  ap.add_argument("--sigma", type=float, default=1.0)
+  ap.add_argument("--window", type=int, default=32, help="engine.window")
+  ap.add_argument("--page_size", type=int, default=16)
+  ap.add_argument("--refill_fraction", type=float, default=0.125)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--seed", type=int, default=0)
+  return ap.parse_args(argv)
+
+
+def build(args):
+  cfg = qwen.ModelConfig(**MODEL)
+  rng = np.random.default_rng(args.seed)
+  params = jax.tree.map(  # qwen.init_params' recipe, drawn with numpy (no init compile)
+      lambda s: jnp.asarray(np.ones(s[0]) if s[1][-1] == "norm" else
+                            0.02 * rng.standard_normal(s[0]), jnp.float32),
+      qwen.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+  v = cfg.vocab_size
+  eos = v - 1
+  prompts = [rng.integers(1, eos, int(k)).tolist()
+             for k in rng.integers(8, 49, args.prompts)]
+  mean_len = np.exp(np.log(args.median_len) + args.sigma * rng.standard_normal(args.prompts))
+  p = np.clip(1.0 / np.maximum(mean_len, 1.0), 1e-6, 0.999)
+  bias = np.zeros((args.prompts, v), np.float32)
+  bias[:, eos] = np.log(p * (v - 1) / (1 - p))  # P(eos) ~ p under near-uniform logits
+  return cfg, params, prompts, bias, eos
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.slots % args.n:
+    raise SystemExit(f"--slots={args.slots} must be a multiple of --n={args.n}")
+  cfg, params, prompts, bias, eos = build(args)
+  key = jax.random.PRNGKey(args.seed + 1)
+  scfg = sampling.make_config(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                              stop_token_ids=(eos,), prompt_buckets=(64,),
+                              batch_buckets=(args.slots // args.n,))
+  ecfg = engine_lib.EngineConfig(slots=args.slots, page_size=args.page_size, window=args.window,
+                                 refill_fraction=args.refill_fraction, prefill_chunk=64)
+  engine = engine_lib.Engine(cfg, scfg, ecfg, logit_bias=True)
+  per_call = args.slots // args.n
+  results = {"static": [], "continuous": []}
+
+  def run_static():
+    t0 = time.perf_counter()
+    out = sampling.sample(params, cfg, prompts, key=key, n_per_prompt=args.n, config=scfg,
+                          logit_bias=bias)
+    wall = time.perf_counter() - t0
+    lengths = out.lengths.reshape(-1, per_call * args.n)  # one row per call
+    slot_steps = int(lengths.shape[1] * lengths.max(axis=1).sum())
+    return wall, out, {"slot_steps": slot_steps}
+
+  def run_engine():
+    stats = engine_lib.EngineStats()
+    t0 = time.perf_counter()
+    out = engine.sample(params, prompts, key=key, n_per_prompt=args.n, logit_bias=bias,
+                        stats=stats)
+    wall = time.perf_counter() - t0
+    return wall, out, stats.as_dict()
+
+  runners = {"static": run_static, "continuous": run_engine}
+  outs = {}
+  for name, fn in runners.items():  # warm-up: compiles
+    t0 = time.perf_counter()
+    _, outs[name], _ = fn()
+    print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s (compiles included)", flush=True)
+  for _ in range(args.repeats):
+    for name, fn in runners.items():
+      results[name].append(fn())
+
+  lengths = outs["static"].lengths
+  med, p99 = float(np.median(lengths)), float(np.percentile(lengths, 99))
+  differ = int((outs["static"].tokens != outs["continuous"].tokens).any(axis=1).sum())
+  print(f"\nworkload long_tail: {args.prompts} prompts x {args.n} samples = {lengths.size} rows, "
+        f"{int(lengths.sum())} generated tokens; lengths median {med:.0f}, p90 "
+        f"{np.percentile(lengths, 90):.0f}, p99 {p99:.0f}, max {lengths.max()} "
+        f"(cap {args.max_new_tokens}); p99/median {p99 / med:.1f}; {args.slots} slots; "
+        f"rows that differ between the samplers (float-flipped draws): {differ}")
+  summary = {}
+  print(f"\n{'sampler':<12} {'tok/s':>9} {'slot util':>10} {'wall s':>8}   runs (s)")
+  for name, runs in results.items():
+    walls = [r[0] for r in runs]
+    tokens = int(runs[0][1].lengths.sum())
+    slot_steps = statistics.median(r[2]["slot_steps"] for r in runs)
+    util = tokens / slot_steps
+    wall = statistics.median(walls)
+    summary[name] = dict(tok_s=tokens / wall, slot_util=util, wall_s=wall)
+    print(f"{name:<12} {tokens / wall:9.0f} {util:10.1%} {wall:8.2f}   "
+          + " ".join(f"{w:.2f}" for w in walls))
+  st = results["continuous"][len(results["continuous"]) // 2][2]
+  print(f"\nengine (median run): {st['windows']} windows ({st['slot_steps'] / max(st['windows'], 1) / args.slots:.1f} "
+        f"full-slot steps each), {st['refills']} refills, {st['prefills']} prefill calls, "
+        f"pages peak {st['pages_peak']} of {engine.pages.capacity}; time in windows "
+        f"(dispatch to results on the host, prefills included) {st['window_s']:.2f} s, "
+        f"host scheduling {st['wall_s'] - st['window_s'] - st['verify_wait_s']:.2f} s")
+  ratio = summary["continuous"]["tok_s"] / summary["static"]["tok_s"]
+  print(f"continuous / static: {ratio:.2f}x tokens/s, wall "
+        f"{summary['static']['wall_s'] / summary['continuous']['wall_s']:.2f}x shorter")
+  print(json.dumps({"long_tail": {
+      "static_tok_s": summary["static"]["tok_s"], "continuous_tok_s": summary["continuous"]["tok_s"],
+      "ratio": ratio, "static_slot_util": summary["static"]["slot_util"],
+      "continuous_slot_util": summary["continuous"]["slot_util"],
+      "static_wall_s": summary["static"]["wall_s"],
+      "continuous_wall_s": summary["continuous"]["wall_s"],
+      "length_median": med, "length_p99": p99, "slots": args.slots}}))
+
+
+if __name__ == "__main__":
+  main()
