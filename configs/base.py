@@ -21,6 +21,7 @@ validates a config and turns it into the library's typed parts.
 import ml_collections as mlc
 
 from fbos_jax import data as data_lib
+from fbos_jax.engine import types as engine_types
 from fbos_jax import sharding as sharding_lib
 from fbos_jax import templates as templates_lib
 
@@ -234,6 +235,13 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   # ids that end a response besides the tokenizer's EOS; () + --init_from_hf = the
   # checkpoint's generation_config eos ids (Qwen3: <|im_end|>, <|endoftext|>)
   c.sampling.stop_token_ids = ()
+  # static: one jitted loop per batch, to its longest row | continuous: the engine
+  # (fbos_jax/engine: slots, paged KV, decode windows that refill finished slots)
+  c.sampling.engine = "static"
+
+  # the continuous engine's knobs (fbos_jax/engine/types.py:EngineConfig holds the
+  # defaults and their meaning); used when sampling.engine=continuous
+  c.engine = mlc.ConfigDict(engine_types.engine_config_defaults())
 
   c.verifier = mlc.ConfigDict()
   # (which verifier: data.verifier, a registry name or "pkg.module:attr")

@@ -59,7 +59,7 @@ def abstract_programs(cfg: qwen.ModelConfig, scfg: sampling.SamplingConfig,
 
   def rows(n, *tail, dtype=jnp.int32):
     shape = (n,) + tail
-    spec = sh.fit_spec(sh.batch_spec(len(shape)), shape, mesh)
+    spec = sh.fit_spec(sh.batch_spec(len(shape), rules=rules), shape, mesh)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
   def scalar(dtype):

@@ -93,6 +93,7 @@ class Static:
   device_kind: Optional[str]  # target chip (Pallas block sizes)
   swaps: int  # staged rows a shard's idle slots may take per step
   stage_len: int  # positions a staged row holds at most (prompt + one window)
+  vocab_limit: int = 0  # ids >= this are never drawn (sampling.restrict_vocab)
 
 
 def _rules(rules):
@@ -105,11 +106,12 @@ def _axes_of(mesh, entry):
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def batch_entry(mesh):
-  """The mesh axes of the pool's shard axis (and of the rows): the batch axes > 1."""
+def batch_entry(mesh, rules=None):
+  """The mesh axes of the pool's shard axis (and of the rows): the rules' batch
+  axes of size > 1."""
   if mesh is None:
     return None
-  kept = tuple(a for a in sh.BATCH_AXES if mesh.shape[a] > 1)
+  kept = tuple(a for a in sh.batch_axes(_rules(rules)) if mesh.shape[a] > 1)
   return kept[0] if len(kept) == 1 else (kept or None)
 
 
@@ -128,7 +130,7 @@ def head_entry(mesh, rules, cfg: qwen.ModelConfig):
 
 def pool_specs(cfg: qwen.ModelConfig, st: Static, mesh, rules):
   """PartitionSpec of each pool array."""
-  bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+  bat, hd = batch_entry(mesh, rules), head_entry(mesh, rules, cfg)
   if st.unroll:
     return tuple(P(bat, None, None, hd, None) for _ in range(cfg.num_layers))
   return P(bat, None, None, None, hd, None)
@@ -165,7 +167,7 @@ def _make_attend(cfg, st: Static, mesh, rules, page_table, wpage, wslot, q_pos, 
   copies of a prompt's partial last page; unused entries: the null page)."""
   b, t = q_pos.shape
   r = b // st.shards
-  bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+  bat, hd = batch_entry(mesh, rules), head_entry(mesh, rules, cfg)
   rows = lambda x: x.reshape((st.shards, r) + x.shape[1:])
   if extra is None:
     extra = (jnp.zeros((b, t, 0), jnp.int32),) * 2
@@ -209,7 +211,7 @@ def _make_attend(cfg, st: Static, mesh, rules, page_table, wpage, wslot, q_pos, 
 
 
 def _dense_specs(mesh, rules, cfg):
-  bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+  bat, hd = batch_entry(mesh, rules), head_entry(mesh, rules, cfg)
   return P(bat, None, hd, None, None), P(bat, None, hd, None, None)
 
 
@@ -219,7 +221,7 @@ def _gather_dense(cfg, st: Static, mesh, rules, pool, page_table):
   layout of the static sampler's cache (qwen.KVCache)."""
   b, pb = page_table.shape
   r = b // st.shards
-  bat = batch_entry(mesh)
+  bat = batch_entry(mesh, rules)
   kspec, vspec = _dense_specs(mesh, rules, cfg)
 
   def local(pages, table, layer):
@@ -246,7 +248,7 @@ def _write_back(cfg, st: Static, mesh, rules, pool, dense, page_table, pos0, cou
   b, pb = page_table.shape
   r = b // st.shards
   w = st.window
-  bat = batch_entry(mesh)
+  bat = batch_entry(mesh, rules)
   kspec, vspec = _dense_specs(mesh, rules, cfg)
   s_len = pb * st.page_size
   i = jnp.arange(w, dtype=jnp.int32)[None, :]
@@ -278,7 +280,7 @@ def _write_back(cfg, st: Static, mesh, rules, pool, dense, page_table, pos0, cou
 def _swap_dense(cfg, st: Static, mesh, rules, cache, staged, slot_m, q_m, length: int):
   """cache rows ``slot_m`` <- staged rows ``q_m`` per shard (slot_m [Sh, m], r = none),
   their first ``length`` positions (a staged row holds no more)."""
-  bat, hd = batch_entry(mesh), head_entry(mesh, rules, cfg)
+  bat, hd = batch_entry(mesh, rules), head_entry(mesh, rules, cfg)
   kspec = vspec = P(bat, hd, None, None)  # flat rows [B, K, Dh, S] / [B, K, S, Dh]
   ks, vs = cache
   sk, sv = staged
@@ -347,15 +349,16 @@ def _con_pool(pool, cfg, st, mesh, rules):
                       pool, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _logits_fn(params, cfg):
+def _logits_fn(params, cfg, vocab_limit: int = 0):
   """[B, D] -> [B, V] float32, the static sampler's arithmetic (a tied model
-  multiplies by the embedding as stored)."""
+  multiplies by the embedding as stored; ids >= ``vocab_limit`` at -inf)."""
   dt = cfg.dtype
   if cfg.tie_embeddings:
     unembed, spec = params["embed"].astype(dt), "bd,vd->bv"
   else:
     unembed, spec = params["unembed"].astype(dt), "bd,dv->bv"
-  return lambda h: jnp.einsum(spec, h, unembed, preferred_element_type=jnp.float32)
+  return lambda h: sampling.restrict_vocab(
+      jnp.einsum(spec, h, unembed, preferred_element_type=jnp.float32), vocab_limit)
 
 
 def _init_pool(*, cfg, st, pages_per_shard, mesh, rules):
@@ -400,7 +403,7 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
   w = st.window
   con = _constrainer(mesh, rules)
   run_params = _prep_params(params, cfg, st, mesh, rules)
-  logits_of = _logits_fn(run_params, cfg)
+  logits_of = _logits_fn(run_params, cfg, st.vocab_limit)
   pad = jnp.int32(st.pad_id)
   row = ("batch",)
 

@@ -132,7 +132,7 @@ class Engine:
     self.mesh, self.rules = mesh, rules
     e, s = self.ecfg, self.scfg
     self.nproc = sampling._mesh_processes(mesh)
-    self.shards = sh.batch_shard_count(mesh) if mesh is not None else 1
+    self.shards = sh.batch_shard_count(mesh, self.rules) if mesh is not None else 1
     if e.slots % self.shards:
       raise EngineError(f"engine.slots={e.slots} must be a multiple of the mesh's "
                         f"{self.shards} batch shards (dcn*data*fsdp).")
@@ -174,7 +174,8 @@ class Engine:
         num_stop_slots=sampling._stop_slots(len(s.stop_token_ids)), pad_id=int(s.pad_id),
         unroll=unroll, cache_dtype=s.cache_dtype, impl=impl, shards=self.shards,
         bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None,
-        swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps)
+        swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps,
+        vocab_limit=int(s.vocab_limit))
     self.row_buckets = tuple(e.row_buckets) or pow2_buckets(self.sps)
     self.page_buckets = tuple(e.page_buckets) or pow2_buckets(self.row_pages)
     self.prefill_buckets = tuple(e.prefill_buckets) or pow2_buckets(e.prefill_chunk, 16)
@@ -198,7 +199,7 @@ class Engine:
     x = np.asarray(x)
     if self.mesh is None:
       return jnp.asarray(x)
-    return sh.put_process_local(x, self.mesh)
+    return sh.put_process_local(x, self.mesh, self.rules)
 
   def _agree(self, *values) -> np.ndarray:
     """[processes, len(values)]: every process's values (collective when several)."""

@@ -91,6 +91,12 @@ class EngineConfig:
     return self
 
 
+def engine_config_defaults() -> dict:
+  """The engine section of a config (``config.engine``): the fields of
+  :class:`EngineConfig` with their defaults (the one home of those defaults)."""
+  return {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
 @dataclasses.dataclass
 class Request:
   """One prompt to sample ``n`` rows from, with its own key contract.

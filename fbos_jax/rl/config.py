@@ -151,16 +151,23 @@ class RolloutSpec:
     return self.epa_max_per_prompt if (self.round2 and self.epa_mode == "append") else 0
 
 
+ENGINES = ("static", "continuous")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParts:
   """The sampler settings of each kind of call (``fbos_jax.sampling.SamplingConfig``):
   ``round1`` (the prompts q, or FCP's), ``round2`` (FAPs / aggregated prompts:
   ``sampling.fap_prompt_buckets``), ``eval`` (``sampling.eval_temperature``,
-  greedy by default) and ``eval_sampled`` (pass@k, temperature 1)."""
+  greedy by default) and ``eval_sampled`` (pass@k, temperature 1); and which
+  sampler runs them (``engine``: static | continuous, with ``engine_config``,
+  ``fbos_jax.engine.EngineConfig``)."""
   round1: object
   round2: object
   eval: object
   eval_sampled: object
+  engine: str = "static"
+  engine_config: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +240,24 @@ def _rollout_spec(config, rl, terms) -> RolloutSpec:
   return RolloutSpec(success_threshold=float(config.verifier.success_threshold), terms=terms, **kw)
 
 
-def _sampling_parts(sampling, *, pad_id: int, stop_ids: tuple, vocab_limit: int) -> SamplingParts:
+def _engine_config(section):
+  """``config.engine`` as an :class:`fbos_jax.engine.EngineConfig` (validated)."""
+  from fbos_jax.engine import EngineConfig
+  names = {f.name for f in dataclasses.fields(EngineConfig)}
+  given = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+  unknown = sorted(set(given) - names)
+  if unknown:
+    raise ValueError(f"unknown config field(s) {', '.join('engine.' + k for k in unknown)}: "
+                     "nothing reads them (a typo?); see fbos_jax/engine/types.py:EngineConfig")
+  kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in given.items()}
+  try:
+    return EngineConfig(**kw).validate()
+  except ValueError as e:
+    raise ValueError(str(e)) from None
+
+
+def _sampling_parts(sampling, *, pad_id: int, stop_ids: tuple, vocab_limit: int,
+                    engine_section=None) -> SamplingParts:
   from fbos_jax import sampling as sampling_lib
   batch = tuple(int(b) for b in sampling.batch_buckets) or sampling_lib.DEFAULT_BATCH_BUCKETS
   round1 = sampling_lib.SamplingConfig(
@@ -243,11 +267,15 @@ def _sampling_parts(sampling, *, pad_id: int, stop_ids: tuple, vocab_limit: int)
       prompt_buckets=tuple(int(b) for b in sampling.prompt_buckets), batch_buckets=batch,
       pad_id=int(pad_id), vocab_limit=int(vocab_limit))
   r = dataclasses.replace
+  engine = str(sampling.engine)
+  if engine not in ENGINES:
+    raise ValueError(f"sampling.engine={engine!r}: expected one of {' | '.join(ENGINES)}")
   return SamplingParts(
       round1=round1,
       round2=r(round1, prompt_buckets=tuple(int(b) for b in sampling.fap_prompt_buckets)),
       eval=r(round1, temperature=float(sampling.eval_temperature)),
-      eval_sampled=r(round1, temperature=1.0))
+      eval_sampled=r(round1, temperature=1.0), engine=engine,
+      engine_config=_engine_config(engine_section) if engine_section is not None else None)
 
 
 def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
@@ -267,7 +295,8 @@ def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
   update = _update_config(config, rl, sampling, limit)
   parts = RunParts(
       model=model,
-      sampling=_sampling_parts(sampling, pad_id=pad_id, stop_ids=stop_ids, vocab_limit=limit),
+      sampling=_sampling_parts(sampling, pad_id=pad_id, stop_ids=stop_ids, vocab_limit=limit,
+                               engine_section=config.get("engine")),
       rollout=_rollout_spec(config, rl, update.terms),
       update=update,
       optim=optim_config(config.optim, int(config.train.steps) * update.epochs

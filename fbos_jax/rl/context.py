@@ -62,6 +62,7 @@ class RolloutContext:
     self.pad_id = parts.sampling.round1.pad_id
     self.stop_ids = tuple(parts.sampling.round1.stop_token_ids)
     self.threshold = parts.rollout.success_threshold
+    self.engine_stats = None  # an EngineStats the continuous engine's calls add to
 
   @classmethod
   def build(cls, config, workdir: str, *, mesh=None, tokenizer=None, verifier=None,
@@ -153,12 +154,20 @@ class RolloutContext:
   def sample(self, params, contexts: list, n: int, key, sampling) -> Samples:
     """n samples of each context under ``sampling`` (one of ``parts.sampling``'s
     configs): the one sampler call of the project (rollout rounds, eval, SFT's
-    own failures, the export check). Contexts may be empty on every process
-    (0 rows)."""
+    own failures, the export check), on the static sampler or the continuous
+    engine (``sampling.engine``; the same key contract and output). Contexts may
+    be empty on every process (0 rows)."""
     from fbos_jax import sampling as sampling_lib
-    out = sampling_lib.sample(params, self.model_cfg, contexts, key=key, n_per_prompt=n,
-                              config=sampling, mesh=self.mesh, rules=self.rules,
-                              allow_empty=True)
+    sp = self.parts.sampling
+    if sp.engine == "continuous":
+      from fbos_jax import engine
+      out = engine.sample(params, self.model_cfg, contexts, key=key, n_per_prompt=n,
+                          config=sampling, engine_config=sp.engine_config, mesh=self.mesh,
+                          rules=self.rules, allow_empty=True, stats=self.engine_stats)
+    else:
+      out = sampling_lib.sample(params, self.model_cfg, contexts, key=key, n_per_prompt=n,
+                                config=sampling, mesh=self.mesh, rules=self.rules,
+                                allow_empty=True)
     texts = self.decode(out.tokens, out.lengths) if out.tokens.shape[0] else []
     return Samples(np.asarray(out.tokens, np.int32), np.asarray(out.response_mask, np.int32),
                    np.asarray(out.logprobs, np.float32), np.asarray(out.lengths, np.int32),

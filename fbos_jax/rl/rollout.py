@@ -440,6 +440,7 @@ def rollout_step(ctx: RolloutContext, params, examples: list, key, *,
   spec = ctx.spec
   k1, k2 = jax.random.split(key)
   t0 = time.perf_counter()
+  ctx.engine_stats = _new_engine_stats(ctx)
   r1 = round1(ctx, params, examples, k1)
   t1 = time.perf_counter()
   vstats = verify(ctx, r1, examples)
@@ -463,6 +464,7 @@ def rollout_step(ctx: RolloutContext, params, examples: list, key, *,
     m.update(bm)
   batches = pad_batches(ctx, rowsets)
   m.update(_verifier_totals(m))
+  m.update(_sampler_metrics(ctx, [r for r in (r1, r2) if r is not None]))
   m["time/rollout_s"] = time.perf_counter() - t0
   m["tokens/generated"] = gen_tokens
   m["rollouts/generated"] = int(r1.valid.sum()) + (int(r2.valid.sum()) if r2 is not None else 0)
@@ -483,6 +485,28 @@ def probe_step(ctx: RolloutContext, params, examples: list, key, *,
   verify(ctx, r2, examples)
   m.update(round2_metrics(r1, r2, ctx.threshold))
   return m
+
+
+def _new_engine_stats(ctx: RolloutContext):
+  if ctx.parts.sampling.engine != "continuous":
+    return None
+  from fbos_jax.engine import EngineStats
+  return EngineStats()
+
+
+def _sampler_metrics(ctx: RolloutContext, rounds: list) -> dict:
+  """``rollout/slot_util``: generated tokens / slot-steps computed (the static
+  sampler runs every row of a call to its longest row); with the continuous
+  engine also ``rollout/pages_peak``, ``rollout/windows``, ``rollout/refills``
+  and ``time/verify_wait_s`` (the engine waited on verdicts)."""
+  st = ctx.engine_stats
+  if st is not None:
+    return {"rollout/slot_util": st.slot_util, "rollout/pages_peak": st.pages_peak,
+            "rollout/windows": st.windows, "rollout/refills": st.refills,
+            "time/verify_wait_s": st.verify_wait_s}
+  tokens = sum(int(ro.lengths[ro.valid].sum()) for ro in rounds)
+  steps = sum(int(ro.valid.sum()) * int(ro.lengths[ro.valid].max(initial=0)) for ro in rounds)
+  return {"rollout/slot_util": tokens / steps if steps else 0.0}
 
 
 def _round1_metrics(r1: Rollouts, threshold: float) -> dict:
