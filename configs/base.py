@@ -291,6 +291,10 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.rl.round2_size = 8  # m: round-2 rollouts per prompt
   c.rl.fap_from = "failed"  # failed | all: which round-1 rollouts get a FAP
   c.rl.fap_mode = "single"  # single: FAP(q, o_i, F_i) | aggregated: GOLF's one prompt per q
+  # a prompt's round 2 joins the engine's queue as soon as its round-1 verdicts are
+  # in (decoding beside the rest of round 1; fbos_jax/rl/stream.py); needs
+  # sampling.engine=continuous. The step's rollouts are the same either way.
+  c.rl.stream_rounds = False
   # --- EPA: feedback-guided rollouts pulled back onto q as off-policy samples
   c.rl.epa_select = "correct"  # correct | improved | all
   c.rl.epa_mode = "append"  # append (group grows) | replace (GOLF)

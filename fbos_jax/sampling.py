@@ -718,6 +718,16 @@ def _agree_prompts(rows, scfg: SamplingConfig, vocab_size: int, mesh, allow_empt
   return rows, truncated, plen, offset, int(counts.max()), nproc
 
 
+def check_stream_ids(stream_ids, num_prompts: int):
+  """``stream_ids`` (None, or one non-negative int per prompt, distinct) or raise."""
+  if stream_ids is None:
+    return
+  ids = np.asarray(stream_ids)
+  if ids.shape != (num_prompts,) or (ids < 0).any() or len(set(ids.tolist())) != num_prompts:
+    raise SamplingError(f"stream_ids must be {num_prompts} distinct non-negative ints (one per "
+                        f"prompt); got {ids.tolist()[:8]}{'...' if ids.size > 8 else ''}")
+
+
 def call_buckets(num_prompts: int, batch_buckets, shards: int = 1) -> list:
   """The batch bucket of each program call that samples ``num_prompts`` prompts:
   chunks of the largest bucket, each padded to the smallest bucket that holds it,
@@ -748,7 +758,7 @@ def make_config(config: Optional[SamplingConfig] = None, **overrides) -> Samplin
 def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]], np.ndarray], *,
            key: jax.Array, n_per_prompt: int = 1, config: Optional[SamplingConfig] = None,
            mesh=None, rules=None, prompt_mask=None, allow_empty: bool = False,
-           logit_bias=None, **options) -> SampleOutput:
+           logit_bias=None, stream_ids=None, **options) -> SampleOutput:
   """Sample ``n_per_prompt`` responses for each prompt.
 
   prompts: a list of token-id lists, or a padded [B, T] array with ``prompt_mask``
@@ -764,6 +774,11 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
     instead of raising (a round that may have nothing to sample, e.g. round 2).
   logit_bias: optional [num_prompts, V] float added to the logits of every step
     of each prompt's samples (:func:`add_logit_bias`; a benchmark's length mix).
+  stream_ids: optional [num_prompts] ints, each prompt's index i in the key
+    contract (sample j draws from stream ``i * n + j``), unique over all
+    processes; default the prompt's position in the global order. A caller that
+    samples the same prompt in other calls or orders (FBOS's round 2, by grid
+    position) gets the same rows.
   Raises :class:`SamplingError` on bad input before compiling anything.
   """
   scfg = make_config(config, **options).validate(cfg.vocab_size)
@@ -780,6 +795,7 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
                         prompt_mask=z(0, 0), stopped=z(0, dt=bool),
                         prompt_truncated=z(0, dt=bool))
   rows, truncated, plen, offset, max_count, nproc = agreed
+  check_stream_ids(stream_ids, len(rows))
   if logit_bias is not None:
     logit_bias = np.asarray(logit_bias, np.float32)
     if logit_bias.shape != (len(rows), cfg.vocab_size):
@@ -802,7 +818,8 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
                          rules=rules)
     toks, mask = buckets.left_pad(chunk, plen, scfg.pad_id, rows=bb)
     ids = np.full((bb,), -1, np.int32)  # global prompt index (-1: dummy row)
-    ids[:len(chunk)] = offset + ci * max_b + np.arange(len(chunk))
+    ids[:len(chunk)] = (offset + ci * max_b + np.arange(len(chunk)) if stream_ids is None
+                        else np.asarray(stream_ids, np.int64)[ci * max_b:ci * max_b + len(chunk)])
     put = (lambda x: sh.put_process_local(x, mesh)) if mesh is not None else jnp.asarray
     d_toks = put(toks)
     start = sh.local_row_start(d_toks) * n  # this process's first output row

@@ -21,12 +21,22 @@ two samplers timed in alternation (A B A B ...) so that both see the same
 background load; wall time is end-to-end ``sample()`` (host input and output
 included).
 
+Workload ``two_round`` (issue 22 (b)): one FBOS step of the tiny config
+(``configs/fbos.py:tiny``: 8 prompts of the sorting task, n = m = 8, the compact
+verifier in its thread pool) on the continuous engine, round 2 behind the
+barrier (``rl.stream_rounds=False``) and streamed (``True``), the same key, so
+the same rollouts. The model is the tiny config's random init with its EOS
+embedding row scaled by ``--eos_scale`` (a random model rarely stops otherwise),
+and ``--two_round_max_new_tokens`` new tokens: lengths median ~5, p90 ~30, p99 at
+the cap. Timed: ``rollout.rollout_step`` (sampling, verification, FAPs, batches),
+median of ``--repeats`` alternating runs after ``--warmups`` untimed ones each.
+
 Printed per sampler: generated tokens/s, slot utilisation (generated tokens /
 slot-steps computed: static = rows x steps of every call, engine = rows x steps
 of every window), wall time, and for the engine where its time goes (windows
 incl. device work, host scheduling, prefill calls, windows, refills). The last
 line is JSON: ``{"long_tail": {"static_tok_s", "continuous_tok_s", "ratio",
-"static_slot_util", "continuous_slot_util", ...}}``.
+"static_slot_util", "continuous_slot_util", ...}, "two_round": {"barrier_s", "streamed_s", "ratio", ...}}``.
 """
 
 from __future__ import annotations
@@ -37,10 +47,6 @@ import os
 import statistics
 import sys
 import time
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -67,6 +73,12 @@ def parse_args(argv=None):
   ap.add_argument("--refill_fraction", type=float, default=0.125)
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--eos_scale", type=float, default=15.0, help="two_round: EOS row scale")
+  ap.add_argument("--two_round_max_new_tokens", type=int, default=128)
+  ap.add_argument("--two_round_slots", type=int, default=64)
+  ap.add_argument("--two_round_window", type=int, default=8)
+  ap.add_argument("--warmups", type=int, default=3, help="two_round: untimed runs each first")
+  ap.add_argument("--workloads", default="long_tail,two_round")
   return ap.parse_args(argv)
 
 
@@ -88,8 +100,73 @@ def build(args):
   return cfg, params, prompts, bias, eos
 
 
+def two_round(args) -> dict:
+  """Workload (b): one FBOS step, round 2 behind the barrier vs streamed in."""
+  import tempfile
+  import configs
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl import rollout, state as state_lib
+  from fbos_jax.rl.context import RolloutContext
+  slots = args.two_round_slots
+  # a few fixed row / page-table buckets: the streamed run's admissions vary with
+  # when verdicts arrive, and each new bucket would be a compile inside a timed run
+  over = {"sampling.engine": "continuous", "engine.slots": slots,
+          "engine.window": args.two_round_window,
+          "engine.row_buckets": (slots // 4, slots // 2, slots), "engine.page_buckets": (8, 16, 48),
+          "sampling.max_new_tokens": args.two_round_max_new_tokens,
+          "templates.max_prompt_tokens": 640, "sampling.fap_prompt_buckets": (128, 256, 640)}
+  workdir = tempfile.mkdtemp(prefix="bench_two_round_")
+  mesh = sh.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  ctxs = {}
+  for stream in (False, True):
+    c = configs.load("configs/fbos.py:tiny", dict(over, **{"rl.stream_rounds": stream}))
+    ctxs[stream] = RolloutContext.build(c, workdir, mesh=mesh, check_budget=False)
+  parts = ctxs[False].parts
+  eos = ctxs[False].tokenizer.eos_token_id
+  state = state_lib.init_state(parts, mesh, sh.rules_dict(c.mesh.rules))
+  params = dict(state.params)
+  params["embed"] = params["embed"].at[eos].multiply(args.eos_scale)
+  from fbos_jax import data as data_lib
+  examples = next(data_lib.make_prompt_iterator(c.data, batch_size=parts.rollout.prompts_per_step,
+                                                process_index=0, process_count=1, seed=args.seed))
+  key = state_lib.stream_key(state.rng, "sample", 0)
+  runs, metrics = {False: [], True: []}, {}
+  for _ in range(args.warmups):  # warm-up: compiles (the streamed run's buckets vary)
+    for stream in (False, True):
+      rollout.rollout_step(ctxs[stream], params, examples, key)
+  for _ in range(args.repeats):
+    for stream in (False, True):
+      t0 = time.perf_counter()
+      _, metrics[stream], _ = rollout.rollout_step(ctxs[stream], params, examples, key)
+      runs[stream].append(time.perf_counter() - t0)
+  for ctx in ctxs.values():
+    ctx.close()
+  barrier, streamed = statistics.median(runs[False]), statistics.median(runs[True])
+  m = metrics[True]
+  print(f"\nworkload two_round: FBOS tiny step, {m['rollouts/generated']} rollouts, "
+        f"{m['tokens/generated']} tokens, round-1 length mean {m['response/length']:.1f}; "
+        f"{args.two_round_slots} slots; round-2 rows decoded beside round 1's tail: "
+        f"{m['rollout/round2_rows_beside_round1']:.0f} of {m['round2/rollouts']}")
+  print(f"{'barrier':<12} {barrier:8.2f} s   runs " + " ".join(f"{w:.2f}" for w in runs[False]))
+  print(f"{'streamed':<12} {streamed:8.2f} s   runs " + " ".join(f"{w:.2f}" for w in runs[True]))
+  print(f"streamed / barrier: {streamed / barrier:.2f}x the rollout wall time")
+  same = metrics[False]["tokens/generated"] == m["tokens/generated"]
+  return {"barrier_s": barrier, "streamed_s": streamed, "ratio": streamed / barrier,
+          "same_rollouts": bool(same), "slots": args.two_round_slots,
+          "rows_beside_round1": m["rollout/round2_rows_beside_round1"]}
+
+
 def main(argv=None):
   args = parse_args(argv)
+  out = {}
+  if "long_tail" in args.workloads:
+    out["long_tail"] = long_tail(args)
+  if "two_round" in args.workloads:
+    out["two_round"] = two_round(args)
+  print(json.dumps(out))
+
+
+def long_tail(args) -> dict:
   if args.slots % args.n:
     raise SystemExit(f"--slots={args.slots} must be a multiple of --n={args.n}")
   cfg, params, prompts, bias, eos = build(args)
@@ -158,13 +235,13 @@ def main(argv=None):
   ratio = summary["continuous"]["tok_s"] / summary["static"]["tok_s"]
   print(f"continuous / static: {ratio:.2f}x tokens/s, wall "
         f"{summary['static']['wall_s'] / summary['continuous']['wall_s']:.2f}x shorter")
-  print(json.dumps({"long_tail": {
+  return {
       "static_tok_s": summary["static"]["tok_s"], "continuous_tok_s": summary["continuous"]["tok_s"],
       "ratio": ratio, "static_slot_util": summary["static"]["slot_util"],
       "continuous_slot_util": summary["continuous"]["slot_util"],
       "static_wall_s": summary["static"]["wall_s"],
       "continuous_wall_s": summary["continuous"]["wall_s"],
-      "length_median": med, "length_p99": p99, "slots": args.slots}}))
+      "length_median": med, "length_p99": p99, "slots": args.slots}
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def test_epa_offpolicy_rows_carry_q_round2_tokens_and_round2_logps(tmp_path, sma
   k1, k2 = jax.random.split(jax.random.key(3))
   r1 = R.round1(ctx, params, examples, k1)
   R.verify(ctx, r1, examples)
-  r2 = R.ROUND2["single"](ctx, params, examples, r1, k2)
+  r2 = R.round2(ctx, params, examples, r1, k2)
   R.verify(ctx, r2, examples)
   rows, m = R.epa_rows(ctx, examples, r1, r2)
   q = [ctx.prompt_ids(ex) for ex in examples]

@@ -146,7 +146,7 @@ def test_error_verdicts_leave_groups_and_never_become_feedback(tmp_path):
   assert r1.is_error.any() and stats["verifier/errors"] == r1.is_error.sum()
   for p, i in zip(*np.nonzero(r1.is_error)):
     assert r1.feedback[p][i] == ""  # the error text is not feedback
-  r2 = R.ROUND2["single"](tr.ctx, state.params, examples, r1, jax.random.key(1))
+  r2 = R.round2(tr.ctx, state.params, examples, r1, jax.random.key(1))
   # no FAP was built from an error row
   assert not r1.is_error[np.arange(len(examples))[:, None].repeat(r2.shape[1], 1)[r2.valid],
                          r2.source[r2.valid]].any()

@@ -275,48 +275,57 @@ class Engine:
     return admitted
 
   def _prefill(self, params, pool, pieces: list, stats: EngineStats):
-    """Every chunk of the admitted prompts (collective: agreed shapes per round)."""
-    ps = self.st.page_size
+    """Every chunk of the admitted prompts (collective: agreed shapes per round),
+    at most the largest row bucket of prompts per shard and call."""
     rounds_local = max((-(-p.tokens.size // self.chunk) for p in pieces), default=0)
     rounds = int(self._agree(rounds_local)[:, 0].max())
+    cap = max(self.row_buckets)
     for _ in range(rounds):
       todo = [p for p in pieces if p.done < p.tokens.size]
       per_shard = [[p for p in todo if p.shard == s] for s in range(self.local_shards)]
-      clen = max((min(self.chunk, p.tokens.size - p.done) for p in todo), default=1)
-      pages = max((-(-min(p.tokens.size, p.done + self.chunk) // ps) for p in todo), default=1)
-      ncopy = max((len(p.copies) for p in todo), default=0)
-      g = self._agree(max(map(len, per_shard)), clen, pages, ncopy).max(0)
-      bp = _bucket(g[0], self.row_buckets, "prefill rows", "engine.row_buckets")
-      c = _bucket(g[1], self.prefill_buckets, "prefill chunk", "engine.prefill_buckets")
-      pb = _bucket(g[2], self.page_buckets, "page-table width", "engine.page_buckets")
-      nc = _bucket(g[3], pow2_buckets(self.sps), "page copies", "") if g[3] else 0
-      n = self.local_shards * bp
-      tok = np.full((n, c), self.scfg.pad_id, np.int32)
-      start = np.zeros((n,), np.int32)
-      nvalid = np.zeros((n,), np.int32)
-      table = np.full((n, pb), _NULL, np.int32)
-      tail = np.full((n,), -1, np.int32)
-      copies = np.full((n, nc), _NULL, np.int32)
-      for s, ps_list in enumerate(per_shard):
-        for i, p in enumerate(ps_list):
-          r = s * bp + i
-          k = min(self.chunk, p.tokens.size - p.done)
-          tok[r, :k] = p.tokens[p.done:p.done + k]
-          start[r], nvalid[r] = p.done, k
-          used = p.pages[:pb]
-          table[r, :len(used)] = used
-          if p.copies:
-            tail[r] = len(p.pages) - 1
-            copies[r, :len(p.copies)] = p.copies
-      with self._mesh_ctx():
-        pool = self._fn("prefill")(params, pool, self._put(tok), self._put(start),
-                                   self._put(nvalid), self._put(table), self._put(tail),
-                                   self._put(copies))
+      calls = int(self._agree(max(-(-len(x) // cap) for x in per_shard))[:, 0].max())
+      for ci in range(calls):
+        pool = self._prefill_call(params, pool, [x[ci * cap:(ci + 1) * cap] for x in per_shard])
+        stats.prefills += 1
       for p in todo:
         p.done = min(p.tokens.size, p.done + self.chunk)
-      stats.prefills += 1
     pieces.clear()
     return pool
+
+  def _prefill_call(self, params, pool, per_shard: list):
+    """One prefill program call: the next chunk of each piece in ``per_shard``."""
+    ps = self.st.page_size
+    todo = [p for x in per_shard for p in x]
+    clen = max((min(self.chunk, p.tokens.size - p.done) for p in todo), default=1)
+    pages = max((-(-min(p.tokens.size, p.done + self.chunk) // ps) for p in todo), default=1)
+    ncopy = max((len(p.copies) for p in todo), default=0)
+    g = self._agree(max(map(len, per_shard)), clen, pages, ncopy).max(0)
+    bp = _bucket(g[0], self.row_buckets, "prefill rows", "engine.row_buckets")
+    c = _bucket(g[1], self.prefill_buckets, "prefill chunk", "engine.prefill_buckets")
+    pb = _bucket(g[2], self.page_buckets, "page-table width", "engine.page_buckets")
+    nc = _bucket(g[3], pow2_buckets(self.sps), "page copies", "") if g[3] else 0
+    n = self.local_shards * bp
+    tok = np.full((n, c), self.scfg.pad_id, np.int32)
+    start = np.zeros((n,), np.int32)
+    nvalid = np.zeros((n,), np.int32)
+    table = np.full((n, pb), _NULL, np.int32)
+    tail = np.full((n,), -1, np.int32)
+    copies = np.full((n, nc), _NULL, np.int32)
+    for s, ps_list in enumerate(per_shard):
+      for i, p in enumerate(ps_list):
+        r = s * bp + i
+        k = min(self.chunk, p.tokens.size - p.done)
+        tok[r, :k] = p.tokens[p.done:p.done + k]
+        start[r], nvalid[r] = p.done, k
+        used = p.pages[:pb]
+        table[r, :len(used)] = used
+        if p.copies:
+          tail[r] = len(p.pages) - 1
+          copies[r, :len(p.copies)] = p.copies
+    with self._mesh_ctx():
+      return self._fn("prefill")(params, pool, self._put(tok), self._put(start),
+                                 self._put(nvalid), self._put(table), self._put(tail),
+                                 self._put(copies))
 
   def _mesh_ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -497,7 +506,7 @@ class Engine:
   # ------------------------------------------------------------------------- sample
 
   def sample(self, params, prompts, *, key, n_per_prompt: int = 1, prompt_mask=None,
-             allow_empty: bool = False, logit_bias=None,
+             allow_empty: bool = False, logit_bias=None, stream_ids=None,
              stats: Optional[EngineStats] = None) -> sampling.SampleOutput:
     """``sampling.sample`` on the engine: same arguments, same output, same key
     contract (sample j of global prompt i draws from its own stream i * n + j)."""
@@ -515,6 +524,7 @@ class Engine:
                                    prompt_mask=z(0, 0), stopped=z(0, dt=bool),
                                    prompt_truncated=z(0, dt=bool))
     rows, truncated, plen, offset, _, _ = agreed
+    sampling.check_stream_ids(stream_ids, len(rows))
     if plen > self.max_prompt:
       raise EngineError(f"prompt bucket {plen} is longer than engine.max_prompt_len="
                         f"{self.max_prompt}.")
@@ -524,7 +534,8 @@ class Engine:
         raise sampling.SamplingError(f"logit_bias has shape {logit_bias.shape}; expected "
                                      f"[num_prompts, vocab] = {(len(rows), self.cfg.vocab_size)}.")
     raw = _raw_key(key)
-    reqs = [Request(prompt=r, n=n, key=raw, sid_base=(offset + i) * n, tag=i,
+    gid = (lambda i: offset + i) if stream_ids is None else (lambda i: int(stream_ids[i]))
+    reqs = [Request(prompt=r, n=n, key=raw, sid_base=gid(i) * n, tag=i,
                     logit_bias=None if logit_bias is None else logit_bias[i])
             for i, r in enumerate(rows)]
     total = len(rows) * n
@@ -559,7 +570,7 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
            key: jax.Array, n_per_prompt: int = 1,
            config: Optional[sampling.SamplingConfig] = None,
            engine_config: Optional[EngineConfig] = None, mesh=None, rules=None,
-           prompt_mask=None, allow_empty: bool = False, logit_bias=None,
+           prompt_mask=None, allow_empty: bool = False, logit_bias=None, stream_ids=None,
            stats: Optional[EngineStats] = None, **options) -> sampling.SampleOutput:
   """Drop-in for :func:`fbos_jax.sampling.sample` on the continuous engine: the same
   arguments (plus ``engine_config`` and an optional ``stats`` to fill) and the same
@@ -568,7 +579,7 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
                   logit_bias=logit_bias is not None, **options)
   return engine.sample(params, prompts, key=key, n_per_prompt=n_per_prompt,
                        prompt_mask=prompt_mask, allow_empty=allow_empty, logit_bias=logit_bias,
-                       stats=stats)
+                       stream_ids=stream_ids, stats=stats)
 
 
 def run(params, cfg: qwen.ModelConfig, feed, on_row: RowCallback, *,

@@ -129,6 +129,7 @@ class RolloutSpec:
   gfpo_k_map: tuple = (8, 8, 6, 4)
   gfpo_history: int = 256
   fixed_row_buckets: bool = False
+  stream_rounds: bool = False  # round 2 streamed in beside round 1 (the continuous engine)
   staleness: int = 0
   success_threshold: float = 1.0
   terms: tuple = ()  # the update's terms (which batches the rollout builds)
@@ -433,6 +434,10 @@ def _validate_rl_values(config, errs):
                 "and eps_high >= 0")
   if rl.dual_clip and not rl.dual_clip > 1:
     errs.append(f"rl.dual_clip={rl.dual_clip}: must be > 1 (e.g. 3.0), or 0 = off")
+  if rl.stream_rounds and config.sampling.engine != "continuous":
+    errs.append(f"rl.stream_rounds=True streams round 2 into the continuous engine's queue, "
+                f"but sampling.engine={config.sampling.engine!r}; set "
+                "--config.sampling.engine=continuous")
   if rl.staleness > 0 and not any(t.loss == "decoupled" for t in terms):
     errs.append(f"rl.staleness={rl.staleness} samples with old params, but no term uses the "
                 "decoupled loss that corrects for it; add the flavor (e.g. "

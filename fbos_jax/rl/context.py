@@ -151,7 +151,7 @@ class RolloutContext:
     return rewards, [v.feedback for v in verdicts], errors, stats
 
   # ----------------------------------------------------------------- sampling
-  def sample(self, params, contexts: list, n: int, key, sampling) -> Samples:
+  def sample(self, params, contexts: list, n: int, key, sampling, stream_ids=None) -> Samples:
     """n samples of each context under ``sampling`` (one of ``parts.sampling``'s
     configs): the one sampler call of the project (rollout rounds, eval, SFT's
     own failures, the export check), on the static sampler or the continuous
@@ -163,11 +163,12 @@ class RolloutContext:
       from fbos_jax import engine
       out = engine.sample(params, self.model_cfg, contexts, key=key, n_per_prompt=n,
                           config=sampling, engine_config=sp.engine_config, mesh=self.mesh,
-                          rules=self.rules, allow_empty=True, stats=self.engine_stats)
+                          rules=self.rules, allow_empty=True, stats=self.engine_stats,
+                          stream_ids=stream_ids)
     else:
       out = sampling_lib.sample(params, self.model_cfg, contexts, key=key, n_per_prompt=n,
                                 config=sampling, mesh=self.mesh, rules=self.rules,
-                                allow_empty=True)
+                                allow_empty=True, stream_ids=stream_ids)
     texts = self.decode(out.tokens, out.lengths) if out.tokens.shape[0] else []
     return Samples(np.asarray(out.tokens, np.int32), np.asarray(out.response_mask, np.int32),
                    np.asarray(out.logprobs, np.float32), np.asarray(out.lengths, np.int32),

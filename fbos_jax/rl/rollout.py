@@ -9,8 +9,10 @@ batches the terms of the objective need::
     round1      [P, n] rollouts of the prompts q (or FCP's <EF>c+</EF>q)
     verify      rewards, feedback and error flags from the verifier pool
     gfpo_select GFPO: which round-1 rollouts of each group the update keeps
-    ROUND2      "single":     m rollouts per prompt from its FAP(q, o_i, F_i)s
+    round2      "single":     m rollouts per prompt from its FAP(q, o_i, F_i)s
                 "aggregated": m rollouts per prompt from GOLF's one prompt
+                (row [p, j] draws from stream (p, j): the same rows whether the
+                round waits for every verdict or streams, fbos_jax/rl/stream.py)
     BATCHES     "epa":  round-1 rows on q + selected round-2 rows re-scored on q
                 "ecc":  round-2 rows on their FAPs
                 "fcp":  round-1 rows on <EF>c</EF>q, c their own feedback
@@ -192,23 +194,61 @@ def gfpo_select(ctx: RolloutContext, r1: Rollouts, gfpo_state) -> tuple:
   return gfpo_state, m
 
 
-def round2_single(ctx: RolloutContext, params, examples: list, r1: Rollouts, key) -> Rollouts:
-  """FBOS: m rollouts per prompt, spread round-robin over its FAP(q, o_i, F_i)s: [P, m]."""
+@dataclasses.dataclass
+class Round2Call:
+  """One round-2 context of prompt ``p``: ``n`` rows from ``prompt`` (a
+  ``templates.Prompt``), rows ``j0 .. j0 + n - 1`` of the prompt's m, built from
+  the round-1 rollouts ``sources`` (-1: GOLF's aggregated prompt)."""
+  p: int
+  j0: int
+  n: int
+  prompt: Any
+  sources: list
+
+  def stream_id(self, base: int, m: int) -> int:
+    """The context's index in the key contract: its rows draw from streams
+    (base + p) * m + j, their [P, m] grid position (whatever else is sampled)."""
+    return ((base + self.p) * m + self.j0) // self.n
+
+
+def round2_calls(ctx: RolloutContext, example, r1: Rollouts, p: int,
+                 mode: Optional[str] = None) -> list:
+  """Prompt ``p``'s round-2 contexts, from its round-1 verdicts alone: "single"
+  (FBOS) m rows spread round-robin over its FAP(q, o_i, F_i)s, one FAP per
+  selected rollout; "aggregated" (GOLF) one prompt over its failed attempts,
+  sampled m times (``mode``, default ``rl.fap_mode``). None selected: no round 2
+  for it."""
+  spec, m = ctx.spec, ctx.spec.round2_size
+  mode = mode or spec.fap_mode
+  sel = assemble.select_fap_sources(r1.rewards[p:p + 1], spec.fap_from, ctx.threshold)
+  _, sources = assemble.round2_plan(sel & r1.ok[p:p + 1], m, mode)
+  if not sources.size:
+    return []
+  if mode == "aggregated":
+    return [Round2Call(p, 0, m, aggregated_prompt(ctx, example, r1, p), [-1] * m)]
+  built = {int(s): ctx.prompts.fap(example["prompt"], r1.texts[p][s], r1.feedback[p][s])
+           for s in set(sources.tolist())}
+  return [Round2Call(p, j, 1, built[int(s)], [int(s)]) for j, s in enumerate(sources)]
+
+
+def round2(ctx: RolloutContext, params, examples: list, r1: Rollouts, key,
+           mode: Optional[str] = None) -> Rollouts:
+  """m rollouts per prompt from its round-2 contexts (:func:`round2_calls`): [P, m]."""
   spec, sc = ctx.spec, ctx.parts.sampling.round2
-  selected = assemble.select_fap_sources(r1.rewards, spec.fap_from, ctx.threshold) & r1.ok
-  r2_prompt, r2_source = assemble.round2_plan(selected, spec.round2_size, "single")
-  built = {}  # one FAP per selected round-1 row, shared by its round-robin rows
-  for p, s in zip(r2_prompt, r2_source):
-    if (p, s) not in built:
-      built[(p, s)] = ctx.prompts.fap(examples[p]["prompt"], r1.texts[p][s], r1.feedback[p][s])
-  faps = [built[(p, s)].token_ids for p, s in zip(r2_prompt, r2_source)]
-  cut = [built[(p, s)].truncated for p, s in zip(r2_prompt, r2_source)]
-  rows = ctx.sample(params, faps, 1, key, sc)
-  valid = np.zeros((len(examples), spec.round2_size), bool)
-  valid[np.unique(r2_prompt).astype(int)] = True
+  m = spec.round2_size
+  calls = [c for p, ex in enumerate(examples) for c in round2_calls(ctx, ex, r1, p, mode)]
+  n = calls[0].n if calls else 1
+  base = jax.process_index() * len(examples)
+  rows = ctx.sample(params, [c.prompt.token_ids for c in calls], n, key, sc,
+                    stream_ids=[c.stream_id(base, m) for c in calls])
+  valid = np.zeros((len(examples), m), bool)
   source = np.full(valid.shape, -1, np.int64)
-  source[valid] = r2_source
-  return _grouped(valid, rows, faps, source, sc.max_new_tokens, host_seed(key), cut)
+  for c in calls:
+    valid[c.p, c.j0:c.j0 + c.n] = True
+    source[c.p, c.j0:c.j0 + c.n] = c.sources
+  return _grouped(valid, rows, [c.prompt.token_ids for c in calls for _ in range(c.n)], source,
+                  sc.max_new_tokens, host_seed(key), [c.prompt.truncated for c in calls
+                                                       for _ in range(c.n)])
 
 
 def aggregated_prompt(ctx: RolloutContext, example, r1: Rollouts, p: int) -> templates.Prompt:
@@ -218,24 +258,6 @@ def aggregated_prompt(ctx: RolloutContext, example, r1: Rollouts, p: int) -> tem
   return ctx.prompts.aggregated(example["prompt"], attempts)
 
 
-def round2_aggregated(ctx: RolloutContext, params, examples: list, r1: Rollouts,
-                      key) -> Rollouts:
-  """GOLF: m rollouts per prompt from one prompt over its failed attempts: [P, m]."""
-  spec, sc = ctx.spec, ctx.parts.sampling.round2
-  m = spec.round2_size
-  selected = assemble.select_fap_sources(r1.rewards, spec.fap_from, ctx.threshold) & r1.ok
-  uniq = np.flatnonzero(selected.any(axis=1))
-  built = [aggregated_prompt(ctx, examples[p], r1, p) for p in uniq]
-  agg = [b.token_ids for b in built]
-  rows = ctx.sample(params, agg, m, key, sc)
-  valid = np.zeros((len(examples), m), bool)
-  valid[uniq] = True
-  return _grouped(valid, rows, [a for a in agg for _ in range(m)],
-                  np.full(valid.shape, -1, np.int64), sc.max_new_tokens, host_seed(key),
-                  [b.truncated for b in built for _ in range(m)])
-
-
-ROUND2: dict[str, Callable] = {"single": round2_single, "aggregated": round2_aggregated}
 
 
 def success_buckets(n: int) -> list:
@@ -441,23 +463,11 @@ def rollout_step(ctx: RolloutContext, params, examples: list, key, *,
   k1, k2 = jax.random.split(key)
   t0 = time.perf_counter()
   ctx.engine_stats = _new_engine_stats(ctx)
-  r1 = round1(ctx, params, examples, k1)
-  t1 = time.perf_counter()
-  vstats = verify(ctx, r1, examples)
-  m = {"time/sample1_s": t1 - t0, "time/verify_s": time.perf_counter() - t1,
-       **_round1_metrics(r1, ctx.threshold), **_verifier_metrics(vstats, "round1")}
+  r1, r2, m = _rounds(ctx, params, examples, k1, k2)
   if spec.gfpo:
     gfpo_state, gm = gfpo_select(ctx, r1, gfpo_state)
     m.update(gm)
-  gen_tokens = int(r1.mask.sum())
-  r2 = None
-  if spec.round2:
-    t2 = time.perf_counter()
-    r2 = ROUND2[spec.fap_mode](ctx, params, examples, r1, k2)
-    m.update(_verifier_metrics(verify(ctx, r2, examples), "round2"))
-    m.update(round2_metrics(r1, r2, ctx.threshold))
-    gen_tokens += int(r2.mask.sum())
-    m["time/round2_s"] = time.perf_counter() - t2
+  gen_tokens = int(r1.mask.sum()) + (int(r2.mask.sum()) if r2 is not None else 0)
   rowsets = {}
   for name in spec.batch_names:
     rowsets[name], bm = BATCHES[name](ctx, examples, r1, r2)
@@ -471,6 +481,34 @@ def rollout_step(ctx: RolloutContext, params, examples: list, key, *,
   return batches, m, gfpo_state
 
 
+def _rounds(ctx: RolloutContext, params, examples: list, k1, k2) -> tuple:
+  """Round 1, verify, round 2 (when the spec has one), verify: behind a barrier,
+  or streamed into one engine run (``rl.stream_rounds``, fbos_jax/rl/stream.py).
+  Returns (r1, r2 or None, metrics)."""
+  spec, t0 = ctx.spec, time.perf_counter()
+  r2 = vs2 = None
+  if spec.round2 and spec.stream_rounds:
+    from fbos_jax.rl import stream
+    r1, r2, vs1, vs2 = stream.streamed_rounds(ctx, params, examples, k1, k2)
+    m = {"time/rounds_s": time.perf_counter() - t0,
+         "rollout/round2_rows_beside_round1": vs2.pop("rollout/round2_rows_beside_round1")}
+  else:
+    r1 = round1(ctx, params, examples, k1)
+    t1 = time.perf_counter()
+    vs1 = verify(ctx, r1, examples)
+    m = {"time/sample1_s": t1 - t0, "time/verify_s": time.perf_counter() - t1}
+    if spec.round2:
+      t2 = time.perf_counter()
+      r2 = round2(ctx, params, examples, r1, k2)
+      vs2 = verify(ctx, r2, examples)
+      m["time/round2_s"] = time.perf_counter() - t2
+  m.update(_round1_metrics(r1, ctx.threshold), **_verifier_metrics(vs1, "round1"))
+  if r2 is not None:
+    m.update(_verifier_metrics(vs2, "round2"))
+    m.update(round2_metrics(r1, r2, ctx.threshold))
+  return r1, r2, m
+
+
 def probe_step(ctx: RolloutContext, params, examples: list, key, *,
                fap_mode: Optional[str] = None) -> dict:
   """Round 1, verify and a round 2 (``fap_mode``, default the spec's) without
@@ -481,7 +519,7 @@ def probe_step(ctx: RolloutContext, params, examples: list, key, *,
   r1 = round1(ctx, params, examples, k1)
   verify(ctx, r1, examples)
   m = _round1_metrics(r1, ctx.threshold)
-  r2 = ROUND2[fap_mode or ctx.spec.fap_mode](ctx, params, examples, r1, k2)
+  r2 = round2(ctx, params, examples, r1, k2, fap_mode)
   verify(ctx, r2, examples)
   m.update(round2_metrics(r1, r2, ctx.threshold))
   return m
