@@ -104,7 +104,7 @@ def test_skipped_step_warning_names_the_logged_step(tmp_path, small, one_device_
 
 def test_summary_after_a_resume_keeps_the_start_eval_and_the_whole_rl_time(tmp_path, small):
   from fbos_jax.rl.run import run_training
-  over = {"train.steps": 3, "train.eval_every": 1, "train.eval_prompts": 8,
+  over = {"train.steps": 3, "train.eval_every": 0, "train.eval_k": 1, "train.eval_prompts": 8,
           "train.checkpoint_every": 1}
   with pytest.raises(KeyboardInterrupt):  # killed in step 2, after step 1's checkpoint
     def stop(step, *_):
