@@ -209,36 +209,6 @@ def compile_program(prog: Program, mesh) -> ProgramReport:
   return rep
 
 
-_OOM_RE = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
-
-
-def compile_program(prog: Program, mesh) -> ProgramReport:
-  rep = ProgramReport(prog.name, prog.what, prog.knobs, prog.flops)
-  try:
-    with jax.set_mesh(mesh):
-      compiled = prog.fn.lower(*prog.args).compile()
-  except Exception as e:  # noqa: BLE001  (XLA reports OOM as a compile error)
-    msg = str(e)
-    m = _OOM_RE.search(msg)
-    if m:
-      unit = {"": 1, "K": 1024, "M": 1024 ** 2, "G": GiB, "T": 1024 ** 4}[m.group(2)]
-      rep.temp = int(float(m.group(1)) * unit)
-    rep.error = msg.splitlines()[0][:400] if msg else type(e).__name__
-    return rep
-  ma = compiled.memory_analysis()
-  rep.argument = int(ma.argument_size_in_bytes)
-  rep.output = int(ma.output_size_in_bytes)
-  rep.alias = int(ma.alias_size_in_bytes)
-  rep.temp = int(ma.temp_size_in_bytes)
-  rep.code = int(ma.generated_code_size_in_bytes)
-  ca = compiled.cost_analysis()
-  ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-  if ca:
-    rep.xla_flops = float(ca.get("flops", float("nan")))
-    rep.xla_bytes = float(ca.get("bytes accessed", float("nan")))
-  return rep
-
-
 def _fits(rep: ProgramReport, budget: float) -> bool:
   """Compiled, and its peak within ``budget`` bytes (fit fraction x HBM)."""
   return not rep.error and rep.peak <= budget

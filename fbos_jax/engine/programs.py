@@ -585,8 +585,3 @@ def compiled_programs() -> int:
   with _LOCK:
     fns = list(_FNS.values())
   return int(sum(f._cache_size() for f in fns))
-
-
-def clear_cache():
-  with _LOCK:
-    _FNS.clear()
