@@ -182,7 +182,7 @@ class RLTrainer:
     eval_examples = self.eval_examples if eval_examples is None else eval_examples
     every, k = cfg.train.eval_every, cfg.train.eval_k
     history = []
-    if start == 0 and every > 0 and eval_examples:
+    if start == 0 and eval_examples and (every > 0 or initial_eval):  # the start, logged
       em = initial_eval or self.evaluate(state, eval_examples, k=k, step=0)
       self.metrics.write(0, em)
       history.append(dict(em, step=0))
