@@ -41,3 +41,247 @@ def test_eta0_colocated_equals_the_synchronous_loop(tmp_path, small, one_device_
   assert all(r["staleness/max"] == 0 and r["staleness/hist_0"] > 0 for r in rb)
   assert {"async/rollout_busy", "async/trainer_busy", "async/sync_s",
           "async/buffer_depth"} <= set(rb[-1])
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_split_4_4_runs_with_bounded_staleness(tmp_path, small, eta):
+  """8 fake devices split 4 / 4, eta = 1 and 2: every trained token is at most eta
+  updates old, some are stale (the sides overlapped), both sides report their busy
+  fractions, and each sync moved the params device to device."""
+  c = small("configs/fbos.py:tiny", **{"train.steps": 4, "rl.rollout_devices": 4,
+                                       "rl.max_staleness": eta,
+                                       "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = AsyncRLTrainer(c, str(tmp_path))
+  assert tr.mesh.size == 4 and tr.rollout_mesh.size == 4
+  assert not set(tr.mesh.devices.flat) & set(tr.rollout_mesh.devices.flat)
+  state, hist = tr.train()
+  tr.close()
+  assert int(state.step) == 4
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert max(r["staleness/max"] for r in rows) <= eta
+  assert sum(r[f"staleness/hist_{d}"] for r in rows for d in range(1, eta + 1)) > 0
+  assert rows[0]["staleness/max"] == 0  # batch 0 is sampled by version 0, trained at 0
+  nparams = sum(np.asarray(x).nbytes for x in jax.tree.leaves(jax.device_get(state.params)))
+  for i, r in enumerate(rows):
+    assert 0 < r["async/trainer_busy"] <= 1 and 0 <= r["async/rollout_busy"] <= 1
+    if i < len(rows) - eta:  # the worker samples batch i + eta while step i trains
+      assert r["async/rollout_busy"] > 0
+    assert r["async/sync_bytes"] == 4 * nparams  # the tiny model's params, on 4 devices
+    assert r["async/sync_s"] > 0 and r["async/buffer_depth"] >= 0
+
+
+# ---------------------------------------------------------------- versions per token
+
+
+def _tiny_model(seed):
+  from fbos_jax.model import qwen
+  import jax.numpy as jnp
+  cfg = qwen.ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64,
+                         intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=16, rope_theta=10000.0)
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(
+      lambda s: jnp.asarray(1.0 + 0.2 * rng.standard_normal(s[0]) if len(s[0]) < 3 and
+                            s[1][-1] == "norm" else 0.12 * rng.standard_normal(s[0]), jnp.float32),
+      qwen.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+  return params, cfg
+
+
+class _Source:
+  """Version 0 for the engine's first loop iteration, then version 1. Each call also
+  moves ``latest`` ahead, as an update landing while the window runs would: a
+  label read after the window (AReaL's PR #1569) would be that newer version."""
+
+  def __init__(self, versions, kv_mode, swap_after=2):
+    self.versions, self.kv_mode, self.swap_after = versions, kv_mode, swap_after
+    self.calls, self.latest, self.rows = 0, 0, []
+
+  def current(self):
+    self.calls += 1
+    v = 0 if self.calls <= self.swap_after else 1
+    self.latest = v + 1
+    return self.versions[v], v
+
+  def record(self, row):
+    self.rows.append(row)
+
+
+def _sample_with_swap(mode):
+  from fbos_jax import engine as E
+  from fbos_jax import sampling
+  (pa, cfg), (pb, _) = _tiny_model(0), _tiny_model(1)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (9, 1, 4, 5, 12, 3)]
+  ecfg = E.EngineConfig(slots=4, page_size=4, window=4, prefill_chunk=4, row_buckets=(4,),
+                        page_buckets=(6,), prefill_buckets=(4,))
+  src = _Source((pa, pb), mode)
+  stats = E.EngineStats()
+  kw = dict(max_new_tokens=12, prompt_buckets=(12,), batch_buckets=(8,), temperature=0.8)
+  out = E.sample(src, cfg, prompts, key=jax.random.PRNGKey(5), n_per_prompt=2,
+                 engine_config=ecfg, stats=stats, **kw)
+  versions = np.full(out.tokens.shape, -1, np.int64)
+  for row in src.rows:
+    versions[row.tag * 2 + row.j, :row.tokens.size] = row.versions
+  fn = jax.jit(sampling.teacher_forced_logprobs, static_argnums=1,
+               static_argnames="temperature")
+  tf = [np.asarray(fn(p, cfg, out.prompt_tokens, out.prompt_mask, out.tokens,
+                      out.response_mask, temperature=0.8)) for p in (pa, pb)]
+  return out, versions, tf, stats
+
+
+@pytest.mark.parametrize("mode", ["recompute", "keep_kv"])
+def test_version_labels_under_an_inflight_update(mode):
+  """A weight update lands between decode windows while rows are in flight: each
+  row goes on with the new weights from where it is, and every token is labelled
+  with the version that drew it. With ``recompute`` every token's log-prob is the
+  teacher-forced log-prob under the params of its label, so a wrong label (the
+  version at admission, or one read after the window as in AReaL's PR #1569)
+  fails; with ``keep_kv`` the tokens labelled 0 match version 0 exactly and the
+  ones labelled 1 do not."""
+  out, versions, (tf0, tf1), stats = _sample_with_swap(mode)
+  m = out.response_mask.astype(bool)
+  assert (versions[m] >= 0).all() and (versions[~m] == -1).all()
+  assert stats.swaps == 1 and (stats.recomputed_tokens > 0) == (mode == "recompute")
+  spans = [(versions[r][m[r]] == 0).any() and (versions[r][m[r]] == 1).any()
+           for r in range(out.num_rows)]
+  assert sum(spans) >= 2, "some rows must run under both versions"
+  assert all((np.diff(versions[r][m[r]]) >= 0).all() for r in range(out.num_rows))
+  v0, v1 = m & (versions == 0), m & (versions == 1)
+  np.testing.assert_allclose(out.logprobs[v0], tf0[v0], atol=1e-4)
+  if mode == "recompute":
+    np.testing.assert_allclose(out.logprobs[v1], tf1[v1], atol=1e-4)
+    # the labels decide: version 0 does not explain the version-1 tokens
+    assert np.abs(out.logprobs[v1] - tf0[v1]).max() > 1e-2
+    admitted = np.where(m, versions[:, :1], -1)  # every token labelled like its first one
+    wrong = m & (admitted != versions)
+    assert wrong.any() and np.abs(out.logprobs - np.where(admitted == 0, tf0, tf1))[wrong].max() > 1e-2
+  else:
+    assert np.abs(out.logprobs[v1] - tf0[v1]).max() > 1e-2
+
+
+def test_the_decoupled_loss_reads_the_per_token_behaviour_logprobs():
+  """Rows sampled across an in-flight update (versions 0 then 1): the batch's
+  old_logp is pi_behav per token, the sampler's log-prob under the version that
+  drew it, and the decoupled term weighs each token by pi_prox / pi_behav with
+  it: the loss equals the kernel's on those per-token values, and differs from
+  the loss with one version's log-probs for the whole row."""
+  import fbos_kernels as K
+  from fbos_jax.rl import objectives
+  from fbos_jax.rl.batch import make_policy_batch
+  from fbos_jax.rl.config import LossConfig, Term
+  out, versions, (tf0, tf1), _ = _sample_with_swap("recompute")
+  m = out.response_mask.astype(bool)
+  assert (m & (versions == 1)).any() and (m & (versions == 0)).any()
+  (_, cfg), (pb, _) = _tiny_model(0), _tiny_model(1)
+  prompts = [row[mask.astype(bool)].tolist() for row, mask in zip(out.prompt_tokens,
+                                                                   out.prompt_mask)]
+  adv = np.where(np.arange(out.num_rows) % 2, 1.0, -1.0).astype(np.float32)
+
+  def batch(behav):
+    return make_policy_batch(prompts, out.tokens, out.response_mask, adv, behav,
+                             np.zeros(out.num_rows, bool), prompt_len=12, num_rows=out.num_rows)
+
+  lc = LossConfig(temperature=0.8, behav_weight_cap=1e6)
+  b = batch(out.logprobs)
+  np.testing.assert_array_equal(np.asarray(b.old_logp)[m], out.logprobs[m])
+  prox, _ = objectives.sequence_logprobs(pb, cfg, b, temperature=0.8, compute_entropy=False)
+  got = objectives.term_sums(pb, cfg, b, "decoupled", lc, prox_logp=prox)["loss"]
+
+  def manual(behav):
+    loss, _ = K.decoupled_ppo_loss(prox, prox, behav, adv, behav_weight_cap=1e6,
+                                   mask=b.loss_mask)
+    return float(K.aggregate(loss, b.loss_mask, "token-mean")[0])
+
+  assert float(got) == pytest.approx(manual(out.logprobs), rel=1e-5)
+  row_version0 = np.where(m, tf0, 0.0).astype(np.float32)  # pi_behav as if all version 0
+  assert abs(manual(row_version0) - float(got)) > 1e-3 * max(abs(float(got)), 1.0)
+
+
+# ---------------------------------------------------------------- config, split, bad input
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rl.max_staleness", -1, r"rl\.max_staleness=-1: must be an integer >= 0"),
+    ("rl.buffer_groups", 3, r"rl\.buffer_groups=3 is smaller than one batch.*prompts_per_step=8"),
+    ("rl.rollout_devices", -2, r"rl\.rollout_devices=-2: must be an integer >= 0"),
+    ("rl.inflight_update", "pause", r"rl\.inflight_update='pause': expected one of keep_kv"),
+    ("rl.sync_chunk_mib", 0, r"rl\.sync_chunk_mib=0: must be > 0"),
+])
+def test_bad_async_fields_are_refused_by_name(field, value, match):
+  c = configs.load("configs/fbos.py:tiny", {field: value})
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(c, 1, process_count=1)
+
+
+def test_async_fields_become_a_typed_part():
+  c = configs.load("configs/fbos.py:tiny", {"rl.rollout_devices": 4, "rl.max_staleness": 2,
+                                            "rl.inflight_update": "recompute",
+                                            "rl.sync_chunk_mib": 8})
+  a = config_lib.build_parts(c, eos_id=1).asynchronous
+  assert a == config_lib.AsyncConfig(4, 2, 0, "recompute", 8 * 2 ** 20) and a.enabled
+  assert a.buffer_batches(8) == 3  # (eta + 1) batches by default
+  assert not config_lib.build_parts(configs.load("configs/fbos.py:tiny")).asynchronous.enabled
+  stale = configs.load("configs/grpo.py:tiny,decoupled", {"rl.staleness": 1,
+                                                          "rl.max_staleness": 1})
+  with pytest.raises(ValueError, match=r"rl\.staleness=1 .* two ways to sample stale"):
+    config_lib.validate(stale, 1, process_count=1)
+
+
+def test_admission_rule_is_areals():
+  """floor((N_r - 1) / B) <= i + eta with N_r = (k + 1) B: batch k waits for
+  version k - eta; eta = 0 is the synchronous loop."""
+  for eta in (0, 1, 2):
+    for k in range(6):
+      for v in range(6):
+        assert async_rl.admitted(k, v, 8, eta) == (k <= v + eta)
+  # the rule on groups: the 17th group requested (N_r = 17, B = 8) needs i + eta >= 2
+  assert ((17 - 1) // 8 <= 1 + 1) and not ((17 - 1) // 8 <= 0 + 1)
+
+
+class _Dev:
+  def __init__(self, i, proc):
+    self.id, self.process_index = i, proc
+
+  def __repr__(self):
+    return f"d{self.id}"
+
+
+def test_split_per_process_and_bad_splits():
+  """2 processes x 4 devices split 4 / 4: each process gives 2 devices to each side
+  (every process holds part of both meshes). Splits that do not divide the
+  devices, the processes, the mesh or the sync are refused, named, with numbers."""
+  devs = [_Dev(i, i // 4) for i in range(8)]
+  mesh = {"dcn": 1, "data": -1, "fsdp": 1, "tensor": 1}
+  trainer, rollout = async_rl.split_devices(devs, 4, mesh)
+  assert [d.id for d in rollout] == [0, 1, 4, 5] and [d.id for d in trainer] == [2, 3, 6, 7]
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=8: .* 0 < N < 8"):
+    async_rl.split_devices(devs, 8, mesh)
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=3 does not divide "
+                                                      r"over the 2 processes"):
+    async_rl.split_devices(devs, 3, mesh)
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=2 leaves the "
+                                                      r"rollout mesh 2 of 8 devices"):
+    async_rl.split_devices(devs, 2, {"dcn": 1, "data": -1, "fsdp": 1, "tensor": 4})
+  one = [_Dev(i, 0) for i in range(8)]
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=3: the weight sync "
+                                                      r".*rollout 3, trainer 5"):
+    async_rl.split_devices(one, 3, mesh)
+
+
+def test_a_split_without_room_for_the_params_is_refused_with_the_numbers():
+  """qwen_8b on 32 v5p-sized devices (abstract meshes, FSDP only): 16 / 16 fits its
+  params, optimizer state and gradients; 31 / 1 leaves the trainer 1 device that
+  cannot: 8.19e9 params x (2 + 4 + 4 + 4) bytes = 106.8 GiB."""
+  from fbos_jax import sharding as sh
+  c = configs.load("configs/fbos.py:qwen_8b", {"mesh.tensor": 1})
+  parts = config_lib.build_parts(c, eos_id=1)
+  rules = sh.rules_dict(c.mesh.rules)
+  hbm = int(95.74 * 2 ** 30)
+  need = async_rl.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 16),
+                                   sh.make_abstract_mesh(c.mesh, 16), rules, hbm)
+  assert need["trainer"] > need["rollout"] > 0
+  with pytest.raises(async_rl.AsyncConfigError,
+                     match=r"rl\.rollout_devices=31 leaves the trainer mesh 1 devices, each of "
+                           r"which would need 106\.\d\d GiB .* more than 90% of its 95\.74 GiB"):
+    async_rl.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 1),
+                              sh.make_abstract_mesh(c.mesh, 31), rules, hbm)

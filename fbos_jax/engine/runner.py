@@ -415,17 +415,20 @@ class Engine:
       raise EngineError(f"source.kv_mode={mode!r}: expected keep_kv | recompute "
                         "(rl.inflight_update).")
     stats.swaps += 1
-    if mode == "recompute":
-      pieces = []
-      for shard_rows in rows:
+    if mode == "recompute":  # each shard's rows, at most the largest row bucket per call
+      cap = max(self.row_buckets)
+      per_shard = [[] for _ in rows]
+      for s, shard_rows in enumerate(rows):
         for r in shard_rows:
           seq = np.concatenate([np.asarray(list(r.req.prompt), np.int64),
                                 np.asarray(r.tokens, np.int64)])[:r.pos]
           if seq.size:
-            pieces.append(_Piece(r.shard, seq, r.pages, []))
+            per_shard[s].append(_Piece(r.shard, seq, r.pages, []))
             stats.recomputed_tokens += int(seq.size)
-      if pieces:
-        pool = self._prefill(new_params, pool, pieces, stats)
+      rounds = int(self._agree(max(-(-len(p) // cap) for p in per_shard))[:, 0].max())
+      for i in range(rounds):
+        pool = self._prefill(new_params, pool,
+                             [x for p in per_shard for x in p[i * cap:(i + 1) * cap]], stats)
     return new_params, new_version, pool
 
   def _run_window(self, params, pool, rows, g, stats, on_row, version=-1):
