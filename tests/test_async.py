@@ -285,3 +285,37 @@ def test_a_split_without_room_for_the_params_is_refused_with_the_numbers():
                            r"which would need 106\.\d\d GiB .* more than 90% of its 95\.74 GiB"):
     async_rl.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 1),
                               sh.make_abstract_mesh(c.mesh, 31), rules, hbm)
+
+
+# ---------------------------------------------------------------- kill -9 and resume
+
+
+def test_kill_between_checkpoints_loses_and_repeats_no_prompt(tmp_path, small):
+  """eta = 2, 4 / 4 split, checkpoints at steps 2, 4, 6: SIGKILL after step 3 (the
+  worker has pulled the prompts of batches 4 and 5 by then), restart: the
+  restored run regenerates batches 2.. from the checkpoint's iterator state, so
+  steps 1-6 train exactly the prompts of batches 0-5, each once."""
+  import subprocess
+  import sys
+  from fbos_jax.rl.trainer import RLTrainer
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root)
+  cmd = [sys.executable, "-u", os.path.join(root, "tests", "async_kill_worker.py"),
+         str(tmp_path)]
+  first = subprocess.run(cmd + ["3"], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=500)
+  assert first.returncode == -9, first.stdout[-2000:] + first.stderr[-3000:]
+  second = subprocess.run(cmd + ["-1"], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=500)
+  assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]
+  log = metrics_lib.read_jsonl(os.path.join(tmp_path, "async_steps.jsonl"))
+  assert [r["step"] for r in log] == [1, 2, 3, 3, 4, 5, 6]  # step 3 trained again
+  last = {r["step"]: r for r in log}
+  assert [last[s]["batch"] for s in range(1, 7)] == list(range(6))
+  c = small("configs/fbos.py:tiny")  # the data order: the same seed and prompts per step
+  it = RLTrainer(c, str(tmp_path / "order"), log_metrics=False)
+  want = [[str(ex["id"]) for ex in next(it.train_iter)] for _ in range(6)]
+  it.close()
+  assert [last[s]["ids"] for s in range(1, 7)] == want
+  trained = [i for s in range(1, 7) for i in last[s]["ids"]]
+  assert len(trained) == len(set(trained)) == 6 * c.rl.prompts_per_step

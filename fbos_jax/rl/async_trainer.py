@@ -28,6 +28,8 @@ restored (newer) params instead of the versions that first sampled them.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Optional
 
@@ -157,10 +159,22 @@ class AsyncRLTrainer(RLTrainer):
     sync = self._publish(state)
     t2 = time.perf_counter()
     self._consumed_data = item.data_state
+    self._audit(step + 1, item)
     m.update(sync.metrics())
     m.update(self._busy_metrics(t2, t2 - t1, waited, depth, item))
     m["tokens/per_s"] = m["tokens/generated"] / max(m.get("time/rollout_s", 0.0), 1e-9)
     return state, m
+
+  def _audit(self, logged_step: int, item):
+    """One line per step trained in ``async_steps.jsonl``: the batch, the prompt ids
+    it trained on and the version it was admitted under (a resume appends the steps
+    it redoes again; the last line of a step is the one that counts)."""
+    if jax.process_index() != 0:
+      return
+    with open(os.path.join(self.workdir, "async_steps.jsonl"), "a") as f:
+      f.write(json.dumps({"step": logged_step, "batch": item.k,
+                          "ids": [str(ex.get("id", "")) for ex in item.examples],
+                          "admit_version": item.admit_version}) + "\n")
 
   def _busy_metrics(self, now: float, trainer_s: float, waited: float, depth: int,
                     item) -> dict:
