@@ -94,12 +94,18 @@ def compile_split_plan(config, topology: str, rollout_devices: int, *,
   parts = plan_lib.plan_parts(config)
   samplers = tuple(shapes_lib.sampler_shapes(parts, sh.batch_shard_count(meshes.rollout,
                                                                          meshes.rules)))
-  reports = {}
+  reports, suggestions = {}, {}
   for side, mesh, names in (("trainer", meshes.trainer, ("update",)),
                             ("rollout", meshes.rollout, samplers)):
     for prog in _programs(parts, mesh, meshes.rules, names):
       say(f"compiling {side}/{prog.name}: {prog.what}")
       reports[f"{side}/{prog.name}"] = plan_lib.compile_program(prog, mesh)
+  upd = reports["trainer/update"]
+  if upd.error or upd.peak > frac * hbm:  # the trainer has fewer chips: more micro-batches
+    found = _fit_update(parts, meshes, frac * hbm, say)
+    if found:
+      reports["trainer/update"], m = found
+      suggestions["trainer/update"] = f"--config.rl.micro_batches={m}"
   sync = plan_sync(parts, meshes, chunk_bytes, chip)
   params_rollout = async_rl.split_bytes(parts, meshes.trainer, meshes.rollout,
                                         meshes.rules)["rollout"] // 2
@@ -115,7 +121,22 @@ def compile_split_plan(config, topology: str, rollout_devices: int, *,
   return {"topology": topology, "chip": chip.name, "hbm_bytes": hbm, "fit_fraction": frac,
           "rollout_devices": rollout_devices, "trainer_devices": meshes.trainer.size,
           "meshes": {"trainer": dict(meshes.trainer.shape), "rollout": dict(meshes.rollout.shape)},
-          "programs": reports, "sides": peaks, "sync": sync, "fits": fits}
+          "programs": reports, "sides": peaks, "sync": sync, "fits": fits,
+          "suggestions": suggestions}
+
+
+def _fit_update(parts, meshes: SplitMeshes, budget: float, say):
+  """(report, micro-batches) of the fewest ``rl.micro_batches`` (doubling) at which
+  the update fits the trainer mesh, or None."""
+  shards = sh.batch_shard_count(meshes.trainer, meshes.rules)
+  for m in plan_lib._micro_batch_options(parts, shards):  # pylint: disable=protected-access
+    p = plan_lib._with_micro_batches(parts, m)  # pylint: disable=protected-access
+    prog = plan_lib.step_programs(p, meshes.trainer, meshes.rules, only="update")[0]
+    say(f"  retry trainer/update with rl.micro_batches={m}")
+    rep = plan_lib.compile_program(prog, meshes.trainer)
+    if not rep.error and rep.peak <= budget:
+      return rep, m
+  return None
 
 
 def format_split_plan(plan: dict) -> str:
@@ -136,10 +157,15 @@ def format_split_plan(plan: dict) -> str:
   s = plan["sync"]
   lines.append(f"  weight sync: {s['bytes_total'] / 1e9:.2f} GB received in all "
                f"({s['bytes_per_device_max'] / 1e9:.3f} GB the most one device), {s['chunks']} "
-               f"chunk(s) of <= {s['largest_chunk_bytes'] / 2 ** 20:.0f} MiB; interconnect "
+               f"chunk(s) (a leaf above rl.sync_chunk_mib goes alone: the largest "
+               f"{s['largest_chunk_bytes'] / 2 ** 20:.0f} MiB, "
+               f"{s['intermediate_bytes_per_device'] / 2 ** 20:.0f} MiB per trainer device); interconnect "
                f"estimate {1e3 * s['est_s']:.1f} ms at {s['ici_bytes_per_s_one_way'] / 1e9:.0f} "
                "GB/s one way per chip"
                + ("" if s["same_shape"] else " (+ the intermediate reshard inside the trainer)"))
+  for name, flag in plan.get("suggestions", {}).items():
+    lines.append(f"  {name} fits with {flag} (the trainer has {plan['trainer_devices']} of the "
+                 "chips; the figures above are at that setting)")
   lines.append("fits: " + ("yes" if plan["fits"] else "NO"))
   return "\n".join(lines)
 

@@ -319,3 +319,41 @@ def test_kill_between_checkpoints_loses_and_repeats_no_prompt(tmp_path, small):
   assert [last[s]["ids"] for s in range(1, 7)] == want
   trained = [i for s in range(1, 7) for i in last[s]["ids"]]
   assert len(trained) == len(set(trained)) == 6 * c.rl.prompts_per_step
+
+
+# ---------------------------------------------------------------- weight sync
+
+
+@pytest.mark.parametrize("n_src,n_dst,src_mesh,dst_mesh,dst_spec", [
+    (4, 4, {"fsdp": 2, "tensor": 2}, {"tensor": 4}, ("_", "tensor")),  # another split
+    (6, 2, {"data": 6}, {"tensor": 2}, ("_", "tensor")),  # more trainer devices
+    (2, 6, {"fsdp": 2}, {"data": 3, "tensor": 2}, ("_", "tensor")),  # more rollout devices
+])
+def test_weight_sync_copies_shard_by_shard_in_chunks(n_src, n_dst, src_mesh, dst_mesh, dst_spec):
+  """Trainer params onto a rollout mesh of another size and sharding: the values
+  arrive on the rollout shardings, in chunks of at most the chunk size (a larger
+  leaf alone), with the bytes every rollout device received."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl import weight_sync as ws
+  devs = jax.devices()
+  sm = sh.make_mesh(src_mesh, devs[:n_src])
+  dm = sh.make_mesh(dst_mesh, devs[n_src:n_src + n_dst])
+  spec = P(*(None if a == "_" else a for a in dst_spec))
+  src = {"w": jax.device_put(jnp.arange(24 * 16, dtype=jnp.float32).reshape(24, 16),
+                             NamedSharding(sm, P("fsdp" if "fsdp" in src_mesh else None))),
+         "b": jax.device_put(jnp.arange(8.0), NamedSharding(sm, P())),
+         "c": jax.device_put(jnp.ones((4, 6)), NamedSharding(sm, P()))}
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          src)
+  specs = {"w": spec, "b": P(), "c": P()}
+  sync = ws.make_sync(abstract, specs, dm, colocated=False, max_staleness=1, chunk_bytes=512)
+  assert [len(g) for g in sync.groups] == [2, 1]  # b + c (128 bytes), then w (1,536: alone)
+  out, stats = sync(src)
+  for k in src:
+    assert out[k].sharding == NamedSharding(dm, specs[k])
+    np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(src[k]))
+  total, _ = ws.received_bytes(abstract, ws.rollout_shardings(abstract, specs, dm))
+  assert stats.bytes == total and stats.chunks == 2 and stats.largest_chunk == 24 * 16 * 4
+  assert total == n_dst * (32 + 96) + 24 * 16 * 4 * n_dst // dm.shape["tensor"]
