@@ -357,3 +357,31 @@ def test_weight_sync_copies_shard_by_shard_in_chunks(n_src, n_dst, src_mesh, dst
   total, _ = ws.received_bytes(abstract, ws.rollout_shardings(abstract, specs, dm))
   assert stats.bytes == total and stats.chunks == 2 and stats.largest_chunk == 24 * 16 * 4
   assert total == n_dst * (32 + 96) + 24 * 16 * 4 * n_dst // dm.shape["tensor"]
+
+
+def test_several_processes_are_refused_by_name(tmp_path, small, monkeypatch):
+  """The loop's two threads would both call host collectives over every device:
+  refused, naming the fields, before anything is built."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  c = small("configs/fbos.py:tiny", **{"rl.rollout_devices": 4, "rl.max_staleness": 1})
+  with pytest.raises(async_rl.AsyncConfigError,
+                     match=r"rl\.rollout_devices=4, rl\.max_staleness=1: .* one process"):
+    AsyncRLTrainer(c, str(tmp_path))
+
+
+def test_split_with_the_continuous_engine_and_recompute(tmp_path, small):
+  """The continuous engine on the rollout mesh, eta = 1, ``recompute``: the worker's
+  rounds take weight updates between decode windows; every trained token has a
+  version within eta (the ledger finds every engine row again)."""
+  c = small("configs/fbos.py:tiny", **{
+      "train.steps": 3, "rl.rollout_devices": 4, "rl.max_staleness": 1,
+      "rl.inflight_update": "recompute", "sampling.engine": "continuous",
+      "engine.slots": 8, "engine.window": 2, "engine.page_size": 8,
+      "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = AsyncRLTrainer(c, str(tmp_path))
+  state, _ = tr.train()
+  tr.close()
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert int(state.step) == 3 and max(r["staleness/max"] for r in rows) <= 1
+  assert sum(r["staleness/hist_1"] for r in rows) > 0
+  assert all(r["rollout/windows"] > 0 for r in rows)

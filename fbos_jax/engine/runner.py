@@ -287,6 +287,18 @@ class Engine:
     return admitted
 
   def _prefill(self, params, pool, pieces: list, stats: EngineStats):
+    """Every chunk of ``pieces``, at most the largest row bucket of them per shard at
+    a time (a shard can admit its slots + staged places at once)."""
+    cap = max(self.row_buckets)
+    per_shard = [[p for p in pieces if p.shard == s] for s in range(self.local_shards)]
+    groups = int(self._agree(max(-(-len(p) // cap) for p in per_shard))[:, 0].max())
+    for i in range(max(groups, 1)):
+      pool = self._prefill_group(params, pool,
+                                 [x for p in per_shard for x in p[i * cap:(i + 1) * cap]], stats)
+    pieces.clear()
+    return pool
+
+  def _prefill_group(self, params, pool, pieces: list, stats: EngineStats):
     """Every chunk of the admitted prompts (collective: agreed shapes per round)."""
     ps = self.st.page_size
     rounds_local = max((-(-p.tokens.size // self.chunk) for p in pieces), default=0)
@@ -301,7 +313,8 @@ class Engine:
       bp = _bucket(g[0], self.row_buckets, "prefill rows", "engine.row_buckets")
       c = _bucket(g[1], self.prefill_buckets, "prefill chunk", "engine.prefill_buckets")
       pb = _bucket(g[2], self.page_buckets, "page-table width", "engine.page_buckets")
-      nc = _bucket(g[3], pow2_buckets(self.sps), "page copies", "") if g[3] else 0
+      # a prompt's samples on one shard: up to its slots + staged places, one copy less
+      nc = _bucket(g[3], pow2_buckets(self.sps + self.qs), "page copies", "") if g[3] else 0
       n = self.local_shards * bp
       tok = np.full((n, c), self.scfg.pad_id, np.int32)
       start = np.zeros((n,), np.int32)
@@ -327,7 +340,6 @@ class Engine:
       for p in todo:
         p.done = min(p.tokens.size, p.done + self.chunk)
       stats.prefills += 1
-    pieces.clear()
     return pool
 
   def _mesh_ctx(self):
@@ -415,20 +427,16 @@ class Engine:
       raise EngineError(f"source.kv_mode={mode!r}: expected keep_kv | recompute "
                         "(rl.inflight_update).")
     stats.swaps += 1
-    if mode == "recompute":  # each shard's rows, at most the largest row bucket per call
-      cap = max(self.row_buckets)
-      per_shard = [[] for _ in rows]
-      for s, shard_rows in enumerate(rows):
+    if mode == "recompute":
+      pieces = []
+      for shard_rows in rows:
         for r in shard_rows:
           seq = np.concatenate([np.asarray(list(r.req.prompt), np.int64),
                                 np.asarray(r.tokens, np.int64)])[:r.pos]
           if seq.size:
-            per_shard[s].append(_Piece(r.shard, seq, r.pages, []))
+            pieces.append(_Piece(r.shard, seq, r.pages, []))
             stats.recomputed_tokens += int(seq.size)
-      rounds = int(self._agree(max(-(-len(p) // cap) for p in per_shard))[:, 0].max())
-      for i in range(rounds):
-        pool = self._prefill(new_params, pool,
-                             [x for p in per_shard for x in p[i * cap:(i + 1) * cap]], stats)
+      pool = self._prefill(new_params, pool, pieces, stats)
     return new_params, new_version, pool
 
   def _run_window(self, params, pool, rows, g, stats, on_row, version=-1):

@@ -11,7 +11,8 @@ One controller (one Python process per host, as every JAX run); the pieces:
   meshes**: it runs the rollout worker thread on its rollout devices (its own
   prompts, ``rl.prompts_per_step / P`` of them, as today) and the trainer on
   its trainer devices, and the weight sync copies each shard within its process
-  (``fbos_jax/rl/weight_sync.py``). A layout with whole hosts on each side
+  (``fbos_jax/rl/weight_sync.py``); the loop itself is single-process for now
+  (``AsyncRLTrainer`` says why). A layout with whole hosts on each side
   (AReaL's) would need the processes of one side to run programs the others
   skip and a cross-host ``device_put``, which JAX supports only on the TFRT TPU
   runtime; it is not built. On 2 processes x 4 devices split 4 / 4, process p

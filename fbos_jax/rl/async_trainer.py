@@ -71,6 +71,13 @@ class AsyncRLTrainer(RLTrainer):
 
   def __init__(self, config, workdir: str, *, mesh=None, devices=None, **kw):
     acfg = config_lib.async_config(config)
+    if jax.process_count() > 1:
+      raise async_rl.AsyncConfigError(
+          f"rl.rollout_devices={acfg.rollout_devices}, rl.max_staleness={acfg.max_staleness}: "
+          f"the asynchronous loop runs in one process for now ({jax.process_count()} here): "
+          "its worker thread and the trainer both call host collectives over every device "
+          "(fbos_jax.distributed.allgather_ints, orbax's barriers), which two threads per "
+          "process could pair in different orders; each side needs its own (see docs/async.md)")
     if acfg.rollout_devices:
       trainer_mesh, rollout_mesh, colocated = build_meshes(config, devices)
     else:
