@@ -385,3 +385,25 @@ def test_split_with_the_continuous_engine_and_recompute(tmp_path, small):
   assert int(state.step) == 3 and max(r["staleness/max"] for r in rows) <= 1
   assert sum(r["staleness/hist_1"] for r in rows) > 0
   assert all(r["rollout/windows"] > 0 for r in rows)
+
+
+def test_resume_at_eta0_is_exact(tmp_path, small, one_device_mesh):
+  """eta = 0 (colocated): 4 steps straight against 2 steps, a fresh trainer, 2 more:
+  the same state and metrics (the checkpoint's iterator state is the trained one's)."""
+  over = {"train.steps": 4, "data.verifier": "fbos_jax.testing.small:parity_reward"}
+  spec = "configs/fbos.py:tiny"
+  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "straight"), mesh=one_device_mesh)
+  s_straight, _ = tr.train()
+  tr.close()
+  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh)
+  tr.train(tr.init_state(), steps=2)
+  tr.close()
+  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh)
+  s_resumed, _ = tr.train()
+  tr.close()
+  for x, y in zip(jax.tree.leaves(jax.device_get(s_straight)),
+                  jax.tree.leaves(jax.device_get(s_resumed))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  ra, rb = (metrics_lib.read_jsonl(os.path.join(tmp_path, d, "metrics.jsonl"))
+            for d in ("straight", "resumed"))
+  assert [_drop(r) for r in ra] == [_drop(r) for r in rb]
