@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
