@@ -313,6 +313,14 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   # --- stale rollouts (pair with the decoupled loss: the `decoupled` flavor)
   c.rl.staleness = 0  # eta: rollouts sampled by params eta updates old (0 = synchronous)
   c.rl.behav_weight_cap = 5.0  # AReaL: mask tokens whose pi_prox/pi_behav exceeds this
+  # --- asynchronous RL (AReaL's system; fbos_jax/rl/async_rl.py): a rollout worker and
+  # the trainer overlap, on their own devices or colocated
+  c.rl.rollout_devices = 0  # N devices of the rollout mesh, the rest train; 0 = colocated
+  c.rl.max_staleness = 0  # eta: a batch is admitted while floor((N_r - 1) / B) <= i + eta
+  c.rl.buffer_groups = 0  # finished groups the buffer holds; 0 = (eta + 1) x prompts_per_step
+  c.rl.inflight_update = "keep_kv"  # keep_kv (PipelineRL) | recompute (AReaL): a weight
+  #                                   update reaches rows in flight, their KV cache kept or redone
+  c.rl.sync_chunk_mib = 512  # weight sync: the most MiB of params copied at once
 
   c.optim = mlc.ConfigDict()
   c.optim.learning_rate = 1e-6

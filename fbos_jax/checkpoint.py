@@ -66,6 +66,7 @@ RESUME_IGNORED_FIELDS = (
     "sampling.batch_buckets", "sampling.prompt_buckets",
     "sampling.fap_prompt_buckets",
     "rl.fixed_row_buckets", "rl.micro_batches",
+    "rl.rollout_devices", "rl.buffer_groups", "rl.sync_chunk_mib",  # where, not what, trains
     "model.param_dtype", "model.compute_dtype", "model.remat", "model.hf_path",
     "model.tokenizer_path", "model.attention", "model.attention_block_q",
     "model.attention_block_kv",

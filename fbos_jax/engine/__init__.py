@@ -30,7 +30,8 @@ Pieces: :mod:`.types` (config, requests, stats), :mod:`.pages` (host free lists)
 from fbos_jax.engine.pages import PageAllocator
 from fbos_jax.engine.runner import Engine, run, sample
 from fbos_jax.engine.types import (EngineConfig, EngineError, EngineStats, Feed, FinishedRow,
-                                   ListFeed, Request)
+                                   ListFeed, ParamsSource, Request, is_params_source)
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "EngineStats", "Feed", "FinishedRow",
-           "ListFeed", "PageAllocator", "Request", "run", "sample"]
+           "ListFeed", "PageAllocator", "ParamsSource", "Request", "is_params_source", "run",
+           "sample"]

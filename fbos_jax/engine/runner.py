@@ -33,6 +33,18 @@ the global rows inside the program, so every process leaves it at the same
 step. The loop ends when every process's feed is finished and no process has a
 row; while some feed is open and nothing is runnable anywhere, all wait
 (``verify_wait_s``).
+
+In-flight weight updates (``fbos_jax/rl/async_rl.py``): ``params`` may be a
+:class:`~fbos_jax.engine.types.ParamsSource` instead of a param pytree. Its
+``current()`` -> (params, version) is read once per loop iteration, before
+admission: a window runs with the params read then, and every token it draws
+is labelled with that version (read once, used for the window and for its
+labels; AReaL's PR #1569 read it twice). When the version changes, rows in
+flight go on from where they are with the new params: their KV cache is kept
+(``source.kv_mode == "keep_kv"``, PipelineRL) or recomputed under the new
+params before the next window (``"recompute"``, AReaL: a prefill of each row's
+prompt and tokens so far into its own pages). :meth:`Engine.sample` hands each
+finished row, with its ``versions`` [L], to ``source.record``. One process only.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from fbos_jax import sharding as sh
 from fbos_jax.engine import programs
 from fbos_jax.engine.pages import PageAllocator
 from fbos_jax.engine.types import (EngineConfig, EngineError, EngineStats, FinishedRow, ListFeed,
-                                   Request, RowCallback, Timer)
+                                   Request, RowCallback, Timer, is_params_source)
 from fbos_jax.model import paged_attention as PA
 from fbos_jax.model import qwen
 
@@ -91,13 +103,13 @@ def _raw_key(key) -> np.ndarray:
 class _Row:
   """One sample being decoded (host state)."""
   __slots__ = ("req", "j", "shard", "pages", "pos", "step", "last", "limit", "key", "sid",
-               "bias", "tokens", "logprobs", "first_window")
+               "bias", "tokens", "logprobs", "versions", "first_window")
 
   def __init__(self, req, j, shard, pages, pos, last, limit, key, sid, bias):
     self.req, self.j, self.shard, self.pages = req, j, shard, pages
     self.pos, self.step, self.last, self.limit = pos, 0, last, limit
     self.key, self.sid, self.bias = key, sid, bias
-    self.tokens, self.logprobs = [], []
+    self.tokens, self.logprobs, self.versions = [], [], []
     self.first_window = -1
 
 
@@ -303,7 +315,8 @@ class Engine:
     bp = _bucket(g[0], self.row_buckets, "prefill rows", "engine.row_buckets")
     c = _bucket(g[1], self.prefill_buckets, "prefill chunk", "engine.prefill_buckets")
     pb = _bucket(g[2], self.page_buckets, "page-table width", "engine.page_buckets")
-    nc = _bucket(g[3], pow2_buckets(self.sps), "page copies", "") if g[3] else 0
+    # a prompt's samples on one shard: up to its slots + staged places, one copy less
+    nc = _bucket(g[3], pow2_buckets(self.sps + self.qs), "page copies", "") if g[3] else 0
     n = self.local_shards * bp
     tok = np.full((n, c), self.scfg.pad_id, np.int32)
     start = np.zeros((n,), np.int32)
@@ -339,6 +352,13 @@ class Engine:
     several processes every process calls ``run`` together with its own feed."""
     stats = stats if stats is not None else EngineStats()
     timer = Timer()
+    source = params if is_params_source(params) else None
+    version = -1
+    if source is not None:
+      if self.nproc > 1:
+        raise EngineError("in-flight weight updates (a ParamsSource) need one process: the "
+                          "processes would have to agree on the version of every window.")
+      params, version = source.current()
     ps, w = self.st.page_size, self.st.window
     rows: list = [[] for _ in range(self.local_shards)]
     waiting: collections.deque = collections.deque()
@@ -350,6 +370,8 @@ class Engine:
       with self._mesh_ctx():
         pool = self._fn("init")()
       while True:
+        if source is not None:  # every row so far is prefilled: swap before admitting
+          params, version, pool = self._swap(source, params, version, pool, rows, stats)
         for req in feed.poll():
           waiting.append(self._check_request(req))
         admitted = self._admit(waiting, rows, pieces)
@@ -380,7 +402,7 @@ class Engine:
           stats.verify_wait_s += time.perf_counter() - t0
           continue
         nap = 0.0005
-        pool = self._run_window(params, pool, rows, g, stats, on_row)
+        pool = self._run_window(params, pool, rows, g, stats, on_row, version)
       self.pages.check_all_free()
     finally:
       for shard_rows in rows:
@@ -391,9 +413,34 @@ class Engine:
       stats.wall_s += timer()
     return stats
 
-  def _run_window(self, params, pool, rows, g, stats, on_row):
+  def _swap(self, source, params, version, pool, rows, stats):
+    """Take the source's newest params between windows; with ``recompute``, redo
+    the KV cache of every row in flight under them (each row's prompt and tokens
+    so far, into its own pages). Returns (params, version, pool)."""
+    new_params, new_version = source.current()
+    if new_version == version:
+      return params, version, pool
+    mode = getattr(source, "kv_mode", "keep_kv")
+    if mode not in ("keep_kv", "recompute"):
+      raise EngineError(f"source.kv_mode={mode!r}: expected keep_kv | recompute "
+                        "(rl.inflight_update).")
+    stats.swaps += 1
+    if mode == "recompute":
+      pieces = []
+      for shard_rows in rows:
+        for r in shard_rows:
+          seq = np.concatenate([np.asarray(list(r.req.prompt), np.int64),
+                                np.asarray(r.tokens, np.int64)])[:r.pos]
+          if seq.size:
+            pieces.append(_Piece(r.shard, seq, r.pages, []))
+            stats.recomputed_tokens += int(seq.size)
+      pool = self._prefill(new_params, pool, pieces, stats)
+    return new_params, new_version, pool
+
+  def _run_window(self, params, pool, rows, g, stats, on_row, version=-1):
     """One window over each shard's first ``sps`` rows (the slots), the rest of its
-    rows staged; then the rows' new tokens, finished rows to the callback."""
+    rows staged; then the rows' new tokens, finished rows to the callback. Every
+    token is labelled ``version`` (the version of ``params``)."""
     rb = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
     qb = self.qs if g[:, 1].max() > 0 else 0
     pb = _bucket(g[:, 2].max(), self.page_buckets, "page-table width", "engine.page_buckets")
@@ -478,6 +525,7 @@ class Engine:
             r.first_window = window
           r.tokens.extend(toks[k, i:j].tolist())
           r.logprobs.extend(lps[k, i:j].tolist())
+          r.versions.extend([version] * (j - i))
           r.last = int(toks[k, j - 1])
           r.step += j - i
           r.pos += j - i
@@ -500,7 +548,8 @@ class Engine:
       on_row(FinishedRow(request=r.req, j=r.j, tokens=np.asarray(r.tokens, np.int32),
                          logprobs=np.asarray(r.logprobs, np.float32),
                          stopped=bool(r.tokens) and r.tokens[-1] in self.stop_ids,
-                         first_window=r.first_window, last_window=window))
+                         first_window=r.first_window, last_window=window,
+                         versions=np.asarray(r.versions, np.int64)))
     return pool
 
   # ------------------------------------------------------------------------- sample
@@ -545,7 +594,11 @@ class Engine:
     stopped = np.zeros((total,), bool)
     seen = np.zeros((total,), bool)
 
+    record = getattr(params, "record", None) if is_params_source(params) else None
+
     def on_row(fr: FinishedRow):
+      if record is not None:
+        record(fr)
       k = fr.tag * n + fr.j
       m = fr.tokens.size
       tokens[k, :m] = fr.tokens

@@ -125,7 +125,8 @@ class FinishedRow:
   with a stop token. ``request`` is the request it came from, ``j`` its sample
   index in it (its stream id is ``request.sid_base + j``). ``first_window`` /
   ``last_window``: the run's indices of the first and last decode window the
-  row ran in (rows whose windows overlap decoded side by side)."""
+  row ran in (rows whose windows overlap decoded side by side). ``versions`` [L]:
+  the policy version that drew each token (-1 without a :class:`ParamsSource`)."""
   request: Request
   j: int
   tokens: np.ndarray
@@ -133,6 +134,7 @@ class FinishedRow:
   stopped: bool
   first_window: int = -1
   last_window: int = -1
+  versions: Optional[np.ndarray] = None
 
   @property
   def tag(self):
@@ -147,6 +149,27 @@ class Feed(Protocol):
 
   def finished(self) -> bool:  # no request will ever come again
     ...
+
+
+class ParamsSource(Protocol):
+  """Params that change while the engine runs (in-flight weight updates).
+
+  ``current()`` -> (params, version): read once per loop iteration, between
+  windows; ``kv_mode``: what a version change does to rows in flight
+  (``keep_kv`` | ``recompute``); ``record(row)``: each finished row with its
+  per-token ``versions`` (:meth:`Engine.sample`)."""
+  kv_mode: str
+
+  def current(self) -> tuple:
+    ...
+
+  def record(self, row: "FinishedRow") -> None:
+    ...
+
+
+def is_params_source(x) -> bool:
+  """Whether ``x`` is a :class:`ParamsSource` rather than a param pytree."""
+  return callable(getattr(x, "current", None)) and hasattr(x, "kv_mode")
 
 
 class ListFeed:
@@ -181,7 +204,9 @@ class EngineStats:
   row, prefill calls; verify_wait_s: time the engine had nothing to run and
   waited on its feed (e.g. for verdicts); window_s: time from each window's
   dispatch until its results are on the host (device work, including the
-  prefills queued before it); wall_s: time inside the engine."""
+  prefills queued before it); wall_s: time inside the engine; swaps: weight
+  updates taken between windows; recomputed_tokens: KV positions redone after
+  them (``recompute``)."""
   tokens: int = 0
   slot_steps: int = 0
   rows: int = 0
@@ -192,6 +217,8 @@ class EngineStats:
   verify_wait_s: float = 0.0
   window_s: float = 0.0
   wall_s: float = 0.0
+  swaps: int = 0
+  recomputed_tokens: int = 0
 
   @property
   def slot_util(self) -> float:

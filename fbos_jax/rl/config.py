@@ -9,7 +9,9 @@ config into the frozen (hashable) dataclasses the library takes, once per run:
   sampler call (``round1``, ``round2``, ``eval``, ``eval_sampled``);
 * ``rollout``: :class:`RolloutSpec`, what the rollout phases do;
 * ``update``: :class:`UpdateConfig`, the terms of the objective and the loop shape;
-* ``optim``: :class:`OptimConfig`.
+* ``optim``: :class:`OptimConfig`;
+* ``asynchronous``: :class:`AsyncConfig`, the rollout / trainer split and the
+  staleness bound (``fbos_jax/rl/async_rl.py``).
 
 Nothing below this module reads ``config.sampling`` or ``config.rl``: the
 parts are handed down (:class:`fbos_jax.rl.context.RolloutContext` holds them).
@@ -153,6 +155,39 @@ class RolloutSpec:
 
 
 ENGINES = ("static", "continuous")
+INFLIGHT_UPDATES = ("keep_kv", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncConfig:
+  """AReaL's system (``fbos_jax/rl/async_rl.py``): a rollout worker and the trainer
+  overlap, with bounded staleness.
+
+  rollout_devices: N devices form the rollout mesh, the rest the trainer mesh
+    (0: one mesh, colocated). max_staleness: eta; batch k of B groups is admitted
+    while floor((N_r - 1) / B) <= i + eta (N_r = (k + 1) B groups requested, i the
+    trainer's version); 0 with rollout_devices 0 is the synchronous loop.
+  buffer_groups: finished groups the buffer holds (0: (eta + 1) x B).
+  inflight_update: how a weight update reaches rows in flight (the continuous
+    engine, between decode windows): keep_kv (PipelineRL: the cache the old
+    weights wrote stays) | recompute (AReaL: the rows' cache is recomputed).
+  sync_chunk_bytes: the weight sync copies at most this many bytes of params at once.
+  """
+  rollout_devices: int = 0
+  max_staleness: int = 0
+  buffer_groups: int = 0
+  inflight_update: str = "keep_kv"
+  sync_chunk_bytes: int = 512 * 2 ** 20
+
+  @property
+  def enabled(self) -> bool:
+    """Whether the asynchronous loop runs (a split, or eta > 0)."""
+    return self.rollout_devices > 0 or self.max_staleness > 0
+
+  def buffer_batches(self, prompts_per_step: int) -> int:
+    """Step batches (of ``prompts_per_step`` groups) the buffer holds."""
+    groups = self.buffer_groups or (self.max_staleness + 1) * prompts_per_step
+    return max(groups // max(prompts_per_step, 1), 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +215,7 @@ class RunParts:
   update: UpdateConfig
   optim: OptimConfig
   seed: int = 0
+  asynchronous: AsyncConfig = AsyncConfig()
 
 
 class _Reads:
@@ -239,6 +275,18 @@ def _rollout_spec(config, rl, terms) -> RolloutSpec:
   kw = {k: getattr(rl, k) for k in names}
   kw["gfpo_k_map"] = tuple(int(k) for k in kw["gfpo_k_map"])
   return RolloutSpec(success_threshold=float(config.verifier.success_threshold), terms=terms, **kw)
+
+
+def _async_config(rl) -> AsyncConfig:
+  return AsyncConfig(rollout_devices=int(rl.rollout_devices),
+                     max_staleness=int(rl.max_staleness), buffer_groups=int(rl.buffer_groups),
+                     inflight_update=str(rl.inflight_update),
+                     sync_chunk_bytes=int(float(rl.sync_chunk_mib) * 2 ** 20))
+
+
+def async_config(config) -> AsyncConfig:
+  """``config``'s :class:`AsyncConfig` alone (``fbos_jax/rl/run.py`` picks the loop by it)."""
+  return _async_config(config.rl)
 
 
 def _engine_config(section):
@@ -302,7 +350,7 @@ def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
       update=update,
       optim=optim_config(config.optim, int(config.train.steps) * update.epochs
                          * update.mini_batches),
-      seed=int(config.seed))
+      seed=int(config.seed), asynchronous=_async_config(rl))
   bad = ([f"sampling.{k}" for k in sampling.unknown()]
          + [f"rl.{k}" for k in rl.unknown(also_known=("terms",))])
   if bad:
@@ -438,10 +486,33 @@ def _validate_rl_values(config, errs):
     errs.append(f"rl.stream_rounds=True streams round 2 into the continuous engine's queue, "
                 f"but sampling.engine={config.sampling.engine!r}; set "
                 "--config.sampling.engine=continuous")
+  _validate_async(rl, errs)
   if rl.staleness > 0 and not any(t.loss == "decoupled" for t in terms):
     errs.append(f"rl.staleness={rl.staleness} samples with old params, but no term uses the "
                 "decoupled loss that corrects for it; add the flavor (e.g. "
                 "--config=configs/grpo.py:tiny,decoupled)")
+
+
+def _validate_async(rl, errs):
+  """The asynchronous loop's fields (the device split itself is checked where the
+  devices are known: ``fbos_jax/rl/async_rl.py:split_devices``)."""
+  for f in ("rollout_devices", "max_staleness", "buffer_groups"):
+    v = rl[f]
+    if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+      errs.append(f"rl.{f}={v!r}: must be an integer >= 0")
+  _choice(errs, "rl.inflight_update", rl.inflight_update, INFLIGHT_UPDATES)
+  _positive(errs, "rl.sync_chunk_mib", rl.sync_chunk_mib)
+  b = rl.prompts_per_step
+  if isinstance(rl.buffer_groups, int) and 0 < rl.buffer_groups < b:
+    errs.append(f"rl.buffer_groups={rl.buffer_groups} is smaller than one batch: the trainer "
+                f"takes rl.prompts_per_step={b} groups per step (0 = (max_staleness + 1) x {b})")
+  on = (isinstance(rl.rollout_devices, int) and rl.rollout_devices > 0) or (
+      isinstance(rl.max_staleness, int) and rl.max_staleness > 0)
+  if on and rl.staleness > 0:
+    errs.append(f"rl.staleness={rl.staleness} (old params inside the synchronous loop) and the "
+                f"asynchronous loop (rl.rollout_devices={rl.rollout_devices}, "
+                f"rl.max_staleness={rl.max_staleness}) are two ways to sample stale; use one "
+                "(rl.max_staleness bounds the asynchronous loop's staleness)")
 
 
 def _validate_rest(config, errs):

@@ -54,7 +54,11 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
   t_start = time.perf_counter()
   os.makedirs(workdir, exist_ok=True)
   config = config_lib.with_checkpoint_model(config, init_from_hf)
-  trainer = RLTrainer(config, workdir, allow_config_change=allow_config_change)
+  trainer_cls = RLTrainer
+  if config_lib.async_config(config).enabled:  # a rollout worker beside the trainer
+    from fbos_jax.rl.async_trainer import AsyncRLTrainer
+    trainer_cls = AsyncRLTrainer
+  trainer = trainer_cls(config, workdir, allow_config_change=allow_config_change)
   params = None
   if config.model.hf_path:  # straight into the mesh's shardings, in model.param_dtype
     params, _ = hf.load_hf_params(config.model.hf_path, trainer.parts.model, mesh=trainer.mesh,

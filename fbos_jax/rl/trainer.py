@@ -89,9 +89,14 @@ class RLTrainer:
     meta = {"model": self.config.model.to_dict(), "algo": self.config.algo,
             "config": self.config.to_dict(), "layout": state_lib.layout(self.parts),
             "rl_seconds": float(rl_seconds)}
-    data_state = self.train_iter.get_state() if hasattr(self.train_iter, "get_state") else {}
+    data_state = self._data_state()
     self.ckpt.save(int(state.step), state, distributed.per_process_state(data_state), meta,
                    force=force)
+
+  def _data_state(self):
+    """The data iterator's state a checkpoint saves: after the prompts of the last
+    step trained (the asynchronous loop's worker may have pulled more)."""
+    return self.train_iter.get_state() if hasattr(self.train_iter, "get_state") else {}
 
   def maybe_restore(self, state):
     """Resume from the newest readable checkpoint, if any: (state, resumed)."""
@@ -131,6 +136,11 @@ class RLTrainer:
     batches, m, gfpo = rollout_lib.rollout_step(self.ctx, state.sampling_params(), examples,
                                                 key, gfpo_state=state.gfpo)
     state = state.after_sampling().replace(gfpo=gfpo)
+    return self.update_step(state, examples, batches, m, t0, step)
+
+  def update_step(self, state, examples: list, batches: dict, m: dict, t0: float, step: int):
+    """The update of one step on ``batches`` (host numpy), its metrics added to the
+    rollout's ``m``; ``t0``: when the step started (its rollout, or its wait)."""
     t1 = time.perf_counter()
     batches = {k: jax.tree.map(lambda a: sh.put_process_local(a, self.mesh, self.rules), b)
                for k, b in batches.items()}

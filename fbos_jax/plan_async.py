@@ -1,0 +1,207 @@
+"""Plans of the asynchronous system (issue 25): the split plan compiled, and the modelled speedup.
+
+* :func:`compile_split_plan`: the devices of a topology split as the run would
+  split them (``rl.rollout_devices``, :func:`fbos_jax.rl.async_rl.split_devices`),
+  the trainer mesh's update program and the rollout mesh's sampler programs
+  compiled with :func:`fbos_jax.plan.compile_program` (XLA's memory analysis is
+  the authority), and the weight sync planned as it runs
+  (:class:`fbos_jax.rl.weight_sync.WeightSync`: the intermediate mesh and its
+  shard-by-shard cover, checked): its bytes and an interconnect-time estimate.
+  A side fits when its largest program plus what the asynchronous loop adds
+  (rollout: the arriving copy of the params; trainer: one sync chunk's
+  intermediate shards) stays within the fit fraction of HBM.
+* :func:`modelled_speedup`: step times from the roofline of the compiled plan's
+  programs (``fbos_jax.hardware.roofline``: analytic FLOPs at the bf16 peak,
+  decode at HBM bandwidth; lower bounds), synchronous on all devices against
+  asynchronous on the split, at steady state with eta >= 1:
+  ``sync = rollout(all) + train(all)``, ``async = max(rollout(N), train(rest) + sync)``.
+
+The interconnect figures (:data:`ICI_BYTES_PER_S`) are public per-chip totals;
+the estimate takes half of them (one direction) for a device's received shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+
+from fbos_jax import hardware as hw
+from fbos_jax import plan as plan_lib
+from fbos_jax import sharding as sh
+from fbos_jax.rl import async_rl
+from fbos_jax.rl import shapes as shapes_lib
+from fbos_jax.rl import state as state_lib
+from fbos_jax.rl import weight_sync
+
+GiB = hw.GiB
+# Chip-to-chip bandwidth per chip, all links, both directions (bytes/s). Sources:
+# Google Cloud TPU system-architecture pages (ICI: v4 2,400 Gbps, v5e 1,600 Gbps,
+# v5p 4,800 Gbps, v6e 3,584 Gbps per chip); NVIDIA H100 SXM NVLink 900 GB/s.
+ICI_BYTES_PER_S = {"TPU v4": 2400e9 / 8, "TPU v5e": 1600e9 / 8, "TPU v5p": 4800e9 / 8,
+                   "TPU v6e": 3584e9 / 8, "NVIDIA H100 SXM": 900e9, "NVIDIA H200 SXM": 900e9}
+
+
+@dataclasses.dataclass
+class SplitMeshes:
+  trainer: jax.sharding.Mesh
+  rollout: jax.sharding.Mesh
+  rules: dict
+
+
+def split_meshes(config, devices, rollout_devices: int) -> SplitMeshes:
+  """The two meshes of ``rollout_devices`` on ``devices`` (as the run splits them)."""
+  trainer, rollout = async_rl.split_devices(devices, rollout_devices, config.mesh)
+  return SplitMeshes(hw.target_mesh(config, trainer), hw.target_mesh(config, rollout),
+                     sh.rules_dict(config.mesh.rules))
+
+
+def plan_sync(parts, meshes: SplitMeshes, chunk_bytes: int, chip) -> dict:
+  """The weight sync of ``parts``'s params from the trainer to the rollout mesh, as
+  :class:`~fbos_jax.rl.weight_sync.WeightSync` would run it (its intermediate mesh
+  and cover checked): bytes, chunks and the interconnect-time estimate."""
+  st = state_lib.abstract_state(parts, meshes.trainer, meshes.rules)
+  specs = state_lib.param_specs(parts, meshes.rollout, meshes.rules)
+  dst = weight_sync.rollout_shardings(st.params, specs, meshes.rollout)
+  ws = weight_sync.WeightSync(st.params, dst, chunk_bytes, "split")
+  total, most = weight_sync.received_bytes(st.params, dst)
+  bw = ICI_BYTES_PER_S.get(chip.name, 0.0) / 2  # one direction
+  n_src = meshes.trainer.size
+  return {"bytes_total": total, "bytes_per_device_max": most, "chunks": len(ws.groups),
+          "largest_chunk_bytes": max(ws.group_bytes),
+          "intermediate_bytes_per_device": max(ws.group_bytes) / n_src,
+          "ici_bytes_per_s_one_way": bw, "est_s": most / bw if bw else float("nan"),
+          "same_shape": dict(meshes.trainer.shape) == dict(meshes.rollout.shape)}
+
+
+def _programs(parts, mesh, rules, names, eval_prompts=0, eval_k=1):
+  return [p for p in plan_lib.step_programs(parts, mesh, rules, eval_prompts=eval_prompts,
+                                            eval_k=eval_k) if p.name in names]
+
+
+def compile_split_plan(config, topology: str, rollout_devices: int, *,
+                       chunk_bytes: int = 512 * 2 ** 20,
+                       progress: Optional[Callable[[str], None]] = None) -> dict:
+  """Compile the split plan of ``config`` on ``topology``: the update on the trainer
+  mesh, the rollout samplers on the rollout mesh, the sync planned; every side
+  checked to fit (with the numbers; ``fits`` False otherwise)."""
+  say = progress or (lambda s: None)
+  devices = hw.topology_devices(topology)
+  meshes = split_meshes(config, devices, rollout_devices)
+  chip = hw.chip_spec(devices[0])
+  hbm, frac = hw.hbm_bytes(devices[0]), hw.fit_fraction(devices[0])
+  parts = plan_lib.plan_parts(config)
+  samplers = tuple(shapes_lib.sampler_shapes(parts, sh.batch_shard_count(meshes.rollout,
+                                                                         meshes.rules)))
+  reports, suggestions = {}, {}
+  for side, mesh, names in (("trainer", meshes.trainer, ("update",)),
+                            ("rollout", meshes.rollout, samplers)):
+    for prog in _programs(parts, mesh, meshes.rules, names):
+      say(f"compiling {side}/{prog.name}: {prog.what}")
+      reports[f"{side}/{prog.name}"] = plan_lib.compile_program(prog, mesh)
+  upd = reports["trainer/update"]
+  if upd.error or upd.peak > frac * hbm:  # the trainer has fewer chips: more micro-batches
+    found = _fit_update(parts, meshes, frac * hbm, say)
+    if found:
+      reports["trainer/update"], m = found
+      suggestions["trainer/update"] = f"--config.rl.micro_batches={m}"
+  sync = plan_sync(parts, meshes, chunk_bytes, chip)
+  params_rollout = async_rl.split_bytes(parts, meshes.trainer, meshes.rollout,
+                                        meshes.rules)["rollout"] // 2
+  peaks = {}
+  for side, extra in (("trainer", sync["intermediate_bytes_per_device"]),
+                      ("rollout", params_rollout)):
+    progs = [r for k, r in reports.items() if k.startswith(side)]
+    bad = [r for r in progs if r.error]
+    peak = max((r.peak for r in progs if not r.error), default=0)
+    peaks[side] = {"largest_program": peak, "async_extra": int(extra),
+                   "peak": int(peak + extra), "errors": [r.name for r in bad]}
+  fits = all(not p["errors"] and p["peak"] <= frac * hbm for p in peaks.values())
+  return {"topology": topology, "chip": chip.name, "hbm_bytes": hbm, "fit_fraction": frac,
+          "rollout_devices": rollout_devices, "trainer_devices": meshes.trainer.size,
+          "meshes": {"trainer": dict(meshes.trainer.shape), "rollout": dict(meshes.rollout.shape)},
+          "programs": reports, "sides": peaks, "sync": sync, "fits": fits,
+          "suggestions": suggestions}
+
+
+def _fit_update(parts, meshes: SplitMeshes, budget: float, say):
+  """(report, micro-batches) of the fewest ``rl.micro_batches`` (doubling) at which
+  the update fits the trainer mesh, or None."""
+  shards = sh.batch_shard_count(meshes.trainer, meshes.rules)
+  for m in plan_lib._micro_batch_options(parts, shards):  # pylint: disable=protected-access
+    p = plan_lib._with_micro_batches(parts, m)  # pylint: disable=protected-access
+    prog = plan_lib.step_programs(p, meshes.trainer, meshes.rules, only="update")[0]
+    say(f"  retry trainer/update with rl.micro_batches={m}")
+    rep = plan_lib.compile_program(prog, meshes.trainer)
+    if not rep.error and rep.peak <= budget:
+      return rep, m
+  return None
+
+
+def format_split_plan(plan: dict) -> str:
+  hbm = plan["hbm_bytes"]
+  g = lambda b: f"{b / GiB:.2f} GiB"
+  lines = [f"split plan on {plan['topology']} ({plan['chip']}, {g(hbm)} HBM per device, fits at "
+           f"<= {plan['fit_fraction']:.0%}): rollout {plan['rollout_devices']} devices "
+           f"{plan['meshes']['rollout']}, trainer {plan['trainer_devices']} devices "
+           f"{plan['meshes']['trainer']}"]
+  for name, r in plan["programs"].items():
+    lines.append(f"  {name:<24} " + (f"does not compile: {r.error}" if r.error else
+                                     f"peak {g(r.peak)} ({100 * r.peak / hbm:.0f}% HBM); {r.what}"))
+  for side, p in plan["sides"].items():
+    extra = "the arriving params copy" if side == "rollout" else "one sync chunk's intermediate"
+    lines.append(f"  {side} side: largest program {g(p['largest_program'])} + {extra} "
+                 f"{g(p['async_extra'])} = {g(p['peak'])} ({100 * p['peak'] / hbm:.1f}% of HBM, "
+                 f"headroom {100 * (1 - p['peak'] / hbm):.1f}%)")
+  s = plan["sync"]
+  lines.append(f"  weight sync: {s['bytes_total'] / 1e9:.2f} GB received in all "
+               f"({s['bytes_per_device_max'] / 1e9:.3f} GB the most one device), {s['chunks']} "
+               f"chunk(s) (a leaf above rl.sync_chunk_mib goes alone: the largest "
+               f"{s['largest_chunk_bytes'] / 2 ** 20:.0f} MiB, "
+               f"{s['intermediate_bytes_per_device'] / 2 ** 20:.0f} MiB per trainer device); interconnect "
+               f"estimate {1e3 * s['est_s']:.1f} ms at {s['ici_bytes_per_s_one_way'] / 1e9:.0f} "
+               "GB/s one way per chip"
+               + ("" if s["same_shape"] else " (+ the intermediate reshard inside the trainer)"))
+  for name, flag in plan.get("suggestions", {}).items():
+    lines.append(f"  {name} fits with {flag} (the trainer has {plan['trainer_devices']} of the "
+                 "chips; the figures above are at that setting)")
+  lines.append("fits: " + ("yes" if plan["fits"] else "NO"))
+  return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _roofline(parts, mesh, rules, chip) -> dict:
+  """The roofline of one step's programs on ``mesh`` (analytic FLOPs; nothing compiled)."""
+  shards = sh.batch_shard_count(mesh, rules)
+  reports = {p.name: plan_lib.ProgramReport(p.name, p.what, p.knobs, p.flops)
+             for p in plan_lib.step_programs(parts, mesh, rules)}
+  rf = hw.roofline(parts.model, mesh, chip, shapes_lib.sampler_shapes(parts, shards), reports)
+  rollout = sum(v["total_s"] for k, v in rf.items() if k.startswith("sample_"))
+  return {"rollout_s": rollout, "train_s": rf["update"]["total_s"]}
+
+
+def modelled_speedup(config, topology: str, rollout_devices: int, *,
+                     chunk_bytes: int = 512 * 2 ** 20) -> dict:
+  """Roofline step times (seconds, lower bounds): synchronous on every device of
+  ``topology`` against asynchronous on the split (steady state, eta >= 1)."""
+  devices = hw.topology_devices(topology)
+  chip = hw.chip_spec(devices[0])
+  parts = plan_lib.plan_parts(config)
+  rules = sh.rules_dict(config.mesh.rules)
+  full = _roofline(parts, hw.target_mesh(config, devices), rules, chip)
+  meshes = split_meshes(config, devices, rollout_devices)
+  r = _roofline(parts, meshes.rollout, rules, chip)["rollout_s"]
+  t = _roofline(parts, meshes.trainer, rules, chip)["train_s"]
+  sync = plan_sync(parts, meshes, chunk_bytes, chip)["est_s"]
+  t_sync = full["rollout_s"] + full["train_s"]
+  t_async = max(r, t + sync)
+  return {"topology": topology, "rollout_devices": rollout_devices,
+          "trainer_devices": meshes.trainer.size,
+          "sync_step": {"rollout_s": full["rollout_s"], "train_s": full["train_s"],
+                        "step_s": t_sync},
+          "async_step": {"rollout_s": r, "train_s": t, "sync_s": sync, "step_s": t_async,
+                         "bound": "rollout" if r >= t + sync else "train + sync"},
+          "speedup": t_sync / t_async}

@@ -1,0 +1,409 @@
+"""AReaL's system (issue 25): the asynchronous loop, its config and bad input, the
+device split, versions per token under in-flight weight updates, the weight sync,
+and resume after kill -9."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import configs
+from fbos_jax import metrics as metrics_lib
+from fbos_jax.rl import async_rl
+from fbos_jax.rl import config as config_lib
+from fbos_jax.rl.async_trainer import AsyncRLTrainer
+from fbos_jax.rl.trainer import RLTrainer
+
+DROP = ("time/", "tokens/per_s", "async/", "staleness/")
+
+
+def _drop(row):
+  return {k: v for k, v in row.items() if not k.startswith(DROP)}
+
+
+def test_eta0_colocated_equals_the_synchronous_loop(tmp_path, small, one_device_mesh):
+  """rl.max_staleness=0, colocated: the worker thread, the buffer and the admission
+  rule give the synchronous trainer's params and metrics bit for bit."""
+  spec = "configs/fbos.py:tiny"
+  over = {"train.steps": 3, "data.verifier": "fbos_jax.testing.small:parity_reward"}
+  tr = RLTrainer(small(spec, **over), str(tmp_path / "sync"), mesh=one_device_mesh)
+  s_sync, _ = tr.train()
+  tr.close()
+  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "async"), mesh=one_device_mesh)
+  s_async, hist = tr.train()
+  tr.close()
+  for x, y in zip(jax.tree.leaves(jax.device_get(s_sync)), jax.tree.leaves(jax.device_get(s_async))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  ra, rb = (metrics_lib.read_jsonl(os.path.join(tmp_path, d, "metrics.jsonl"))
+            for d in ("sync", "async"))
+  assert [_drop(r) for r in ra] == [_drop(r) for r in rb]
+  assert all(r["staleness/max"] == 0 and r["staleness/hist_0"] > 0 for r in rb)
+  assert {"async/rollout_busy", "async/trainer_busy", "async/sync_s",
+          "async/buffer_depth"} <= set(rb[-1])
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_split_4_4_runs_with_bounded_staleness(tmp_path, small, eta):
+  """8 fake devices split 4 / 4, eta = 1 and 2: every trained token is at most eta
+  updates old, some are stale (the sides overlapped), both sides report their busy
+  fractions, and each sync moved the params device to device."""
+  c = small("configs/fbos.py:tiny", **{"train.steps": 4, "rl.rollout_devices": 4,
+                                       "rl.max_staleness": eta,
+                                       "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = AsyncRLTrainer(c, str(tmp_path))
+  assert tr.mesh.size == 4 and tr.rollout_mesh.size == 4
+  assert not set(tr.mesh.devices.flat) & set(tr.rollout_mesh.devices.flat)
+  state, hist = tr.train()
+  tr.close()
+  assert int(state.step) == 4
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert max(r["staleness/max"] for r in rows) <= eta
+  assert sum(r[f"staleness/hist_{d}"] for r in rows for d in range(1, eta + 1)) > 0
+  assert rows[0]["staleness/max"] == 0  # batch 0 is sampled by version 0, trained at 0
+  nparams = sum(np.asarray(x).nbytes for x in jax.tree.leaves(jax.device_get(state.params)))
+  for i, r in enumerate(rows):
+    assert 0 < r["async/trainer_busy"] <= 1 and 0 <= r["async/rollout_busy"] <= 1
+    if i < len(rows) - eta:  # the worker samples batch i + eta while step i trains
+      assert r["async/rollout_busy"] > 0
+    assert r["async/sync_bytes"] == 4 * nparams  # the tiny model's params, on 4 devices
+    assert r["async/sync_s"] > 0 and r["async/buffer_depth"] >= 0
+
+
+# ---------------------------------------------------------------- versions per token
+
+
+def _tiny_model(seed):
+  from fbos_jax.model import qwen
+  import jax.numpy as jnp
+  cfg = qwen.ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64,
+                         intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=16, rope_theta=10000.0)
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(
+      lambda s: jnp.asarray(1.0 + 0.2 * rng.standard_normal(s[0]) if len(s[0]) < 3 and
+                            s[1][-1] == "norm" else 0.12 * rng.standard_normal(s[0]), jnp.float32),
+      qwen.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and isinstance(x[0], tuple))
+  return params, cfg
+
+
+class _Source:
+  """Version 0 for the engine's first loop iteration, then version 1. Each call also
+  moves ``latest`` ahead, as an update landing while the window runs would: a
+  label read after the window (AReaL's PR #1569) would be that newer version."""
+
+  def __init__(self, versions, kv_mode, swap_after=2):
+    self.versions, self.kv_mode, self.swap_after = versions, kv_mode, swap_after
+    self.calls, self.latest, self.rows = 0, 0, []
+
+  def current(self):
+    self.calls += 1
+    v = 0 if self.calls <= self.swap_after else 1
+    self.latest = v + 1
+    return self.versions[v], v
+
+  def record(self, row):
+    self.rows.append(row)
+
+
+def _sample_with_swap(mode):
+  from fbos_jax import engine as E
+  from fbos_jax import sampling
+  (pa, cfg), (pb, _) = _tiny_model(0), _tiny_model(1)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(1, cfg.vocab_size, n).tolist() for n in (9, 1, 4, 5, 12, 3)]
+  ecfg = E.EngineConfig(slots=4, page_size=4, window=4, prefill_chunk=4, row_buckets=(4,),
+                        page_buckets=(6,), prefill_buckets=(4,))
+  src = _Source((pa, pb), mode)
+  stats = E.EngineStats()
+  kw = dict(max_new_tokens=12, prompt_buckets=(12,), batch_buckets=(8,), temperature=0.8)
+  out = E.sample(src, cfg, prompts, key=jax.random.PRNGKey(5), n_per_prompt=2,
+                 engine_config=ecfg, stats=stats, **kw)
+  versions = np.full(out.tokens.shape, -1, np.int64)
+  for row in src.rows:
+    versions[row.tag * 2 + row.j, :row.tokens.size] = row.versions
+  fn = jax.jit(sampling.teacher_forced_logprobs, static_argnums=1,
+               static_argnames="temperature")
+  tf = [np.asarray(fn(p, cfg, out.prompt_tokens, out.prompt_mask, out.tokens,
+                      out.response_mask, temperature=0.8)) for p in (pa, pb)]
+  return out, versions, tf, stats
+
+
+@pytest.mark.parametrize("mode", ["recompute", "keep_kv"])
+def test_version_labels_under_an_inflight_update(mode):
+  """A weight update lands between decode windows while rows are in flight: each
+  row goes on with the new weights from where it is, and every token is labelled
+  with the version that drew it. With ``recompute`` every token's log-prob is the
+  teacher-forced log-prob under the params of its label, so a wrong label (the
+  version at admission, or one read after the window as in AReaL's PR #1569)
+  fails; with ``keep_kv`` the tokens labelled 0 match version 0 exactly and the
+  ones labelled 1 do not."""
+  out, versions, (tf0, tf1), stats = _sample_with_swap(mode)
+  m = out.response_mask.astype(bool)
+  assert (versions[m] >= 0).all() and (versions[~m] == -1).all()
+  assert stats.swaps == 1 and (stats.recomputed_tokens > 0) == (mode == "recompute")
+  spans = [(versions[r][m[r]] == 0).any() and (versions[r][m[r]] == 1).any()
+           for r in range(out.num_rows)]
+  assert sum(spans) >= 2, "some rows must run under both versions"
+  assert all((np.diff(versions[r][m[r]]) >= 0).all() for r in range(out.num_rows))
+  v0, v1 = m & (versions == 0), m & (versions == 1)
+  np.testing.assert_allclose(out.logprobs[v0], tf0[v0], atol=1e-4)
+  if mode == "recompute":
+    np.testing.assert_allclose(out.logprobs[v1], tf1[v1], atol=1e-4)
+    # the labels decide: version 0 does not explain the version-1 tokens
+    assert np.abs(out.logprobs[v1] - tf0[v1]).max() > 1e-2
+    admitted = np.where(m, versions[:, :1], -1)  # every token labelled like its first one
+    wrong = m & (admitted != versions)
+    assert wrong.any() and np.abs(out.logprobs - np.where(admitted == 0, tf0, tf1))[wrong].max() > 1e-2
+  else:
+    assert np.abs(out.logprobs[v1] - tf0[v1]).max() > 1e-2
+
+
+def test_the_decoupled_loss_reads_the_per_token_behaviour_logprobs():
+  """Rows sampled across an in-flight update (versions 0 then 1): the batch's
+  old_logp is pi_behav per token, the sampler's log-prob under the version that
+  drew it, and the decoupled term weighs each token by pi_prox / pi_behav with
+  it: the loss equals the kernel's on those per-token values, and differs from
+  the loss with one version's log-probs for the whole row."""
+  import fbos_kernels as K
+  from fbos_jax.rl import objectives
+  from fbos_jax.rl.batch import make_policy_batch
+  from fbos_jax.rl.config import LossConfig, Term
+  out, versions, (tf0, tf1), _ = _sample_with_swap("recompute")
+  m = out.response_mask.astype(bool)
+  assert (m & (versions == 1)).any() and (m & (versions == 0)).any()
+  (_, cfg), (pb, _) = _tiny_model(0), _tiny_model(1)
+  prompts = [row[mask.astype(bool)].tolist() for row, mask in zip(out.prompt_tokens,
+                                                                   out.prompt_mask)]
+  adv = np.where(np.arange(out.num_rows) % 2, 1.0, -1.0).astype(np.float32)
+
+  def batch(behav):
+    return make_policy_batch(prompts, out.tokens, out.response_mask, adv, behav,
+                             np.zeros(out.num_rows, bool), prompt_len=12, num_rows=out.num_rows)
+
+  lc = LossConfig(temperature=0.8, behav_weight_cap=1e6)
+  b = batch(out.logprobs)
+  np.testing.assert_array_equal(np.asarray(b.old_logp)[m], out.logprobs[m])
+  prox, _ = objectives.sequence_logprobs(pb, cfg, b, temperature=0.8, compute_entropy=False)
+  got = objectives.term_sums(pb, cfg, b, "decoupled", lc, prox_logp=prox)["loss"]
+
+  def manual(behav):
+    loss, _ = K.decoupled_ppo_loss(prox, prox, behav, adv, behav_weight_cap=1e6,
+                                   mask=b.loss_mask)
+    return float(K.aggregate(loss, b.loss_mask, "token-mean")[0])
+
+  assert float(got) == pytest.approx(manual(out.logprobs), rel=1e-5)
+  row_version0 = np.where(m, tf0, 0.0).astype(np.float32)  # pi_behav as if all version 0
+  assert abs(manual(row_version0) - float(got)) > 1e-3 * max(abs(float(got)), 1.0)
+
+
+# ---------------------------------------------------------------- config, split, bad input
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rl.max_staleness", -1, r"rl\.max_staleness=-1: must be an integer >= 0"),
+    ("rl.buffer_groups", 3, r"rl\.buffer_groups=3 is smaller than one batch.*prompts_per_step=8"),
+    ("rl.rollout_devices", -2, r"rl\.rollout_devices=-2: must be an integer >= 0"),
+    ("rl.inflight_update", "pause", r"rl\.inflight_update='pause': expected one of keep_kv"),
+    ("rl.sync_chunk_mib", 0, r"rl\.sync_chunk_mib=0: must be > 0"),
+])
+def test_bad_async_fields_are_refused_by_name(field, value, match):
+  c = configs.load("configs/fbos.py:tiny", {field: value})
+  with pytest.raises(ValueError, match=match):
+    config_lib.validate(c, 1, process_count=1)
+
+
+def test_async_fields_become_a_typed_part():
+  c = configs.load("configs/fbos.py:tiny", {"rl.rollout_devices": 4, "rl.max_staleness": 2,
+                                            "rl.inflight_update": "recompute",
+                                            "rl.sync_chunk_mib": 8})
+  a = config_lib.build_parts(c, eos_id=1).asynchronous
+  assert a == config_lib.AsyncConfig(4, 2, 0, "recompute", 8 * 2 ** 20) and a.enabled
+  assert a.buffer_batches(8) == 3  # (eta + 1) batches by default
+  assert not config_lib.build_parts(configs.load("configs/fbos.py:tiny")).asynchronous.enabled
+  stale = configs.load("configs/grpo.py:tiny,decoupled", {"rl.staleness": 1,
+                                                          "rl.max_staleness": 1})
+  with pytest.raises(ValueError, match=r"rl\.staleness=1 .* two ways to sample stale"):
+    config_lib.validate(stale, 1, process_count=1)
+
+
+def test_admission_rule_is_areals():
+  """floor((N_r - 1) / B) <= i + eta with N_r = (k + 1) B: batch k waits for
+  version k - eta; eta = 0 is the synchronous loop."""
+  for eta in (0, 1, 2):
+    for k in range(6):
+      for v in range(6):
+        assert async_rl.admitted(k, v, 8, eta) == (k <= v + eta)
+  # the rule on groups: the 17th group requested (N_r = 17, B = 8) needs i + eta >= 2
+  assert ((17 - 1) // 8 <= 1 + 1) and not ((17 - 1) // 8 <= 0 + 1)
+
+
+class _Dev:
+  def __init__(self, i, proc):
+    self.id, self.process_index = i, proc
+
+  def __repr__(self):
+    return f"d{self.id}"
+
+
+def test_split_per_process_and_bad_splits():
+  """2 processes x 4 devices split 4 / 4: each process gives 2 devices to each side
+  (every process holds part of both meshes). Splits that do not divide the
+  devices, the processes, the mesh or the sync are refused, named, with numbers."""
+  devs = [_Dev(i, i // 4) for i in range(8)]
+  mesh = {"dcn": 1, "data": -1, "fsdp": 1, "tensor": 1}
+  trainer, rollout = async_rl.split_devices(devs, 4, mesh)
+  assert [d.id for d in rollout] == [0, 1, 4, 5] and [d.id for d in trainer] == [2, 3, 6, 7]
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=8: .* 0 < N < 8"):
+    async_rl.split_devices(devs, 8, mesh)
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=3 does not divide "
+                                                      r"over the 2 processes"):
+    async_rl.split_devices(devs, 3, mesh)
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=2 leaves the "
+                                                      r"rollout mesh 2 of 8 devices"):
+    async_rl.split_devices(devs, 2, {"dcn": 1, "data": -1, "fsdp": 1, "tensor": 4})
+  one = [_Dev(i, 0) for i in range(8)]
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=3: the weight sync "
+                                                      r".*rollout 3, trainer 5"):
+    async_rl.split_devices(one, 3, mesh)
+
+
+def test_a_split_without_room_for_the_params_is_refused_with_the_numbers():
+  """qwen_8b on 32 v5p-sized devices (abstract meshes, FSDP only): 16 / 16 fits its
+  params, optimizer state and gradients; 31 / 1 leaves the trainer 1 device that
+  cannot: 8.19e9 params x (2 + 4 + 4 + 4) bytes = 106.8 GiB."""
+  from fbos_jax import sharding as sh
+  c = configs.load("configs/fbos.py:qwen_8b", {"mesh.tensor": 1})
+  parts = config_lib.build_parts(c, eos_id=1)
+  rules = sh.rules_dict(c.mesh.rules)
+  hbm = int(95.74 * 2 ** 30)
+  need = async_rl.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 16),
+                                   sh.make_abstract_mesh(c.mesh, 16), rules, hbm)
+  assert need["trainer"] > need["rollout"] > 0
+  with pytest.raises(async_rl.AsyncConfigError,
+                     match=r"rl\.rollout_devices=31 leaves the trainer mesh 1 devices, each of "
+                           r"which would need 106\.\d\d GiB .* more than 90% of its 95\.74 GiB"):
+    async_rl.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 1),
+                              sh.make_abstract_mesh(c.mesh, 31), rules, hbm)
+
+
+# ---------------------------------------------------------------- kill -9 and resume
+
+
+def test_kill_between_checkpoints_loses_and_repeats_no_prompt(tmp_path, small):
+  """eta = 2, 4 / 4 split, checkpoints at steps 2, 4, 6: SIGKILL after step 3 (the
+  worker has pulled the prompts of batches 4 and 5 by then), restart: the
+  restored run regenerates batches 2.. from the checkpoint's iterator state, so
+  steps 1-6 train exactly the prompts of batches 0-5, each once."""
+  import subprocess
+  import sys
+  from fbos_jax.rl.trainer import RLTrainer
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=root)
+  cmd = [sys.executable, "-u", os.path.join(root, "tests", "async_kill_worker.py"),
+         str(tmp_path)]
+  first = subprocess.run(cmd + ["3"], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=500)
+  assert first.returncode == -9, first.stdout[-2000:] + first.stderr[-3000:]
+  second = subprocess.run(cmd + ["-1"], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=500)
+  assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]
+  log = metrics_lib.read_jsonl(os.path.join(tmp_path, "async_steps.jsonl"))
+  assert [r["step"] for r in log] == [1, 2, 3, 3, 4, 5, 6]  # step 3 trained again
+  last = {r["step"]: r for r in log}
+  assert [last[s]["batch"] for s in range(1, 7)] == list(range(6))
+  c = small("configs/fbos.py:tiny")  # the data order: the same seed and prompts per step
+  it = RLTrainer(c, str(tmp_path / "order"), log_metrics=False)
+  want = [[str(ex["id"]) for ex in next(it.train_iter)] for _ in range(6)]
+  it.close()
+  assert [last[s]["ids"] for s in range(1, 7)] == want
+  trained = [i for s in range(1, 7) for i in last[s]["ids"]]
+  assert len(trained) == len(set(trained)) == 6 * c.rl.prompts_per_step
+
+
+# ---------------------------------------------------------------- weight sync
+
+
+@pytest.mark.parametrize("n_src,n_dst,src_mesh,dst_mesh,dst_spec", [
+    (4, 4, {"fsdp": 2, "tensor": 2}, {"tensor": 4}, ("_", "tensor")),  # another split
+    (6, 2, {"data": 6}, {"tensor": 2}, ("_", "tensor")),  # more trainer devices
+    (2, 6, {"fsdp": 2}, {"data": 3, "tensor": 2}, ("_", "tensor")),  # more rollout devices
+])
+def test_weight_sync_copies_shard_by_shard_in_chunks(n_src, n_dst, src_mesh, dst_mesh, dst_spec):
+  """Trainer params onto a rollout mesh of another size and sharding: the values
+  arrive on the rollout shardings, in chunks of at most the chunk size (a larger
+  leaf alone), with the bytes every rollout device received."""
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl import weight_sync as ws
+  devs = jax.devices()
+  sm = sh.make_mesh(src_mesh, devs[:n_src])
+  dm = sh.make_mesh(dst_mesh, devs[n_src:n_src + n_dst])
+  spec = P(*(None if a == "_" else a for a in dst_spec))
+  src = {"w": jax.device_put(jnp.arange(24 * 16, dtype=jnp.float32).reshape(24, 16),
+                             NamedSharding(sm, P("fsdp" if "fsdp" in src_mesh else None))),
+         "b": jax.device_put(jnp.arange(8.0), NamedSharding(sm, P())),
+         "c": jax.device_put(jnp.ones((4, 6)), NamedSharding(sm, P()))}
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          src)
+  specs = {"w": spec, "b": P(), "c": P()}
+  sync = ws.make_sync(abstract, specs, dm, colocated=False, max_staleness=1, chunk_bytes=512)
+  assert [len(g) for g in sync.groups] == [2, 1]  # b + c (128 bytes), then w (1,536: alone)
+  out, stats = sync(src)
+  for k in src:
+    assert out[k].sharding == NamedSharding(dm, specs[k])
+    np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(src[k]))
+  total, _ = ws.received_bytes(abstract, ws.rollout_shardings(abstract, specs, dm))
+  assert stats.bytes == total and stats.chunks == 2 and stats.largest_chunk == 24 * 16 * 4
+  assert total == n_dst * (32 + 96) + 24 * 16 * 4 * n_dst // dm.shape["tensor"]
+
+
+def test_several_processes_are_refused_by_name(tmp_path, small, monkeypatch):
+  """The loop's two threads would both call host collectives over every device:
+  refused, naming the fields, before anything is built."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  c = small("configs/fbos.py:tiny", **{"rl.rollout_devices": 4, "rl.max_staleness": 1})
+  with pytest.raises(async_rl.AsyncConfigError,
+                     match=r"rl\.rollout_devices=4, rl\.max_staleness=1: .* one process"):
+    AsyncRLTrainer(c, str(tmp_path))
+
+
+def test_split_with_the_continuous_engine_and_recompute(tmp_path, small):
+  """The continuous engine on the rollout mesh, eta = 1, ``recompute``: the worker's
+  rounds take weight updates between decode windows; every trained token has a
+  version within eta (the ledger finds every engine row again)."""
+  c = small("configs/fbos.py:tiny", **{
+      "train.steps": 3, "rl.rollout_devices": 4, "rl.max_staleness": 1,
+      "rl.inflight_update": "recompute", "sampling.engine": "continuous",
+      "engine.slots": 8, "engine.window": 2, "engine.page_size": 8,
+      "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = AsyncRLTrainer(c, str(tmp_path))
+  state, _ = tr.train()
+  tr.close()
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert int(state.step) == 3 and max(r["staleness/max"] for r in rows) <= 1
+  assert sum(r["staleness/hist_1"] for r in rows) > 0
+  assert all(r["rollout/windows"] > 0 for r in rows)
+
+
+def test_resume_at_eta0_is_exact(tmp_path, small, one_device_mesh):
+  """eta = 0 (colocated): 4 steps straight against 2 steps, a fresh trainer, 2 more:
+  the same state and metrics (the checkpoint's iterator state is the trained one's)."""
+  over = {"train.steps": 4, "data.verifier": "fbos_jax.testing.small:parity_reward"}
+  spec = "configs/fbos.py:tiny"
+  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "straight"), mesh=one_device_mesh)
+  s_straight, _ = tr.train()
+  tr.close()
+  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh)
+  tr.train(tr.init_state(), steps=2)
+  tr.close()
+  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh)
+  s_resumed, _ = tr.train()
+  tr.close()
+  for x, y in zip(jax.tree.leaves(jax.device_get(s_straight)),
+                  jax.tree.leaves(jax.device_get(s_resumed))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  ra, rb = (metrics_lib.read_jsonl(os.path.join(tmp_path, d, "metrics.jsonl"))
+            for d in ("straight", "resumed"))
+  assert [_drop(r) for r in ra] == [_drop(r) for r in rb]
