@@ -306,14 +306,14 @@ class VersionedContext(RolloutContext):
   (``fbos_jax/engine/runner.py``: in-flight updates). Every sampled row goes into
   the store's ledger with its versions."""
 
-  def sample(self, params, contexts: list, n: int, key, sampling) -> Samples:
+  def sample(self, params, contexts: list, n: int, key, sampling, stream_ids=None) -> Samples:
     if not isinstance(params, PolicyStore):
-      return super().sample(params, contexts, n, key, sampling)
+      return super().sample(params, contexts, n, key, sampling, stream_ids)
     store = params
-    if self.parts.sampling.engine == "continuous":
-      return super().sample(store, contexts, n, key, sampling)  # the engine records rows
+    if self.parts.sampling.engine == "continuous":  # the engine records rows
+      return super().sample(store, contexts, n, key, sampling, stream_ids)
     p, version = store.current()
-    out = super().sample(p, contexts, n, key, sampling)
+    out = super().sample(p, contexts, n, key, sampling, stream_ids)
     if store.ledger is not None:
       for i, length in enumerate(out.lengths):
         length = int(length)
