@@ -96,6 +96,44 @@ _TINY_RUN = {
     "sft.corrections": "self",
 }
 
+_TINY_CHAIN_RUN = {
+    # "7*8 -9 +4 +3 =" -> "56,47,51,54": four operations, left to right, each result
+    # in 0..99 written with two digits. Always four, so result k sits at a fixed
+    # distance from operation k (a tiny model learns to find its operands quickly);
+    # what it gets wrong is the arithmetic.
+    "data.task": "chain", "data.difficulty": 4, "data.max_difficulty": 4,
+    # the compact wording: the results as they should start, up to the first wrong
+    # one ("12,47,__,__"), the slots in the places of the results they speak of
+    "data.verifier": "fbos_jax.verifiers.procedural:CompactProceduralVerifier",
+    "data.feedback_may_reveal_answer": False,  # refuse at start a feedback that names it
+    "sampling.max_new_tokens": 12,  # 4 results of 2 digits, 3 commas, EOS
+    "sampling.prompt_buckets": (16,),  # 14 characters
+    # the longest FAP (fbos_jax/rl/env.py:longest_fap_tokens): problem 14 + response
+    # 12 x 5 = 60 (the token "</EF>") + feedback 59 (nothing of the response is
+    # echoed) + 2 = 135 tokens; 87 with one-character tokens. Real FAPs: ~40. 256 and
+    # 384 serve GOLF's aggregated prompts: up to 8 failed attempts of ~30 tokens each.
+    "sampling.fap_prompt_buckets": (64, 96, 136, 256, 384),
+    "templates.max_prompt_tokens": 384,
+    # The problem comes last in a FAP (and in GOLF's aggregated prompt), right before
+    # the answer as in q, so the answer's results keep their distance to the
+    # operations; the attempt and the feedback come before it.
+    "templates.fap": "{response}|{feedback}|{prompt}",
+    "templates.aggregated_footer": "{prompt}",
+    # The warm start (fbos_jax/rl/sft.py, sft.stages): demonstrations with a quarter
+    # of corrections (a task-made failure, fbos_jax/tasks.py:_corrupt_chain, and
+    # its feedback -> the solution), until the model finds its operands and gets
+    # about two results in three right; then a stage of mostly corrections of its
+    # own failures, at a lower learning rate, so it reads the feedback it will get.
+    "sft.steps": 800,  # the stages' total (what launch/train.py prints)
+    "sft.stages": (
+        {"name": "demos", "steps": 700, "learning_rate": 3e-3, "warmup_steps": 20,
+         "fap_fraction": 0.25, "corrections": "corrupt"},
+        {"name": "own_failures", "steps": 100, "learning_rate": 3e-4, "warmup_steps": 10,
+         "fap_fraction": 0.75, "corrections": "self", "self_corrections_from": 0.0,
+         "self_samples": 2},
+    ),
+}
+
 VARIANTS = {
     # A ~0.4M-parameter Qwen3 that trains on a 2-core CPU in minutes; its vocab
     # covers the character tokenizer built by fbos_jax/tokenizer.py.
@@ -114,6 +152,13 @@ VARIANTS = {
             "sampling.fap_prompt_buckets": (128, 256, 384, 512, 960),
             "templates.max_prompt_tokens": 960,
         })),
+    # Where feedback should pay (issue 24): chained arithmetic with the intermediate
+    # results written out ("7*8-9+4=" -> "56,47,51"); the verifier names the first
+    # wrong value and its correct value, never the final answer (fbos_jax/tasks.py,
+    # family "chain"). Same model; a two-stage warm start whose second stage is
+    # mostly corrections of the model's own failures (sft.stages).
+    "tiny_chain": dict(model=_TINY_MODEL, mesh=dict(dcn=1, data=-1, fsdp=1, tensor=1),
+                       run=dict(_TINY_RUN, **_TINY_CHAIN_RUN)),
     # Qwen/Qwen3-0.6B on a v5e-8 (16 GiB chips): FSDP over the 8 chips.
     "qwen3_0_6b": dict(
         model=dict(model_type="qwen3", vocab_size=151_936, hidden_size=1024,
@@ -195,7 +240,7 @@ COMMON_FLAVORS = ("decoupled",)
 
 # Variants whose algorithm files keep the rollouts per step equal (an algorithm
 # with a second round or a larger group samples half the prompts).
-EQUAL_ROLLOUT_VARIANTS = ("tiny", "tiny_hard")
+EQUAL_ROLLOUT_VARIANTS = ("tiny", "tiny_hard", "tiny_chain")
 
 
 def _defaults(variant: str) -> mlc.ConfigDict:
@@ -342,6 +387,10 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.train.keep_checkpoints = 3
   c.train.warm_start = ""  # "" | "sft" (train configs/sft.py first, cached in the workdir)
   c.train.progress = True
+  # >0: every this many steps, the feedback-reading probe on the step's prompts
+  # (fbos_jax/rl/probe.py: log p(gold | FAP) vs log p(gold | q), fix vs resample rates and
+  # the controls, logged as probe/*); it samples ~4x the failed rollouts again
+  c.train.probe_every = 0
 
   c.sft = mlc.ConfigDict()
   c.sft.steps = 0
@@ -356,6 +405,12 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.sft.self_corrections_from = 0.5  # self: share of sft.steps before own samples are used
   c.sft.self_samples = 4  # self: samples per correction example to find a failure
   c.sft.conditional = False  # FCP offline stage: train on <EF>c</EF>q -> o (c = feedback)
+  # A recipe of stages run in order, each a dict of sft.* fields over the ones above
+  # (e.g. its own steps, learning_rate, fap_fraction, corrections), each from the
+  # previous stage's params with a fresh optimizer; every stage is cached, so a
+  # stopped warm start resumes at the first stage not done (fbos_jax/rl/sft.py).
+  # () = one stage: the fields above.
+  c.sft.stages = ()
   return c
 
 

@@ -24,6 +24,23 @@ Families (``difficulty`` meaning in brackets):
   * ``countdown`` [how many numbers, >= 2]: ``"use 3 5 7 make 22="`` ->
     an expression such as ``"3*5+7"`` using every given number exactly once
     and only ``+ - *`` (parentheses allowed). Any such expression is correct.
+  * ``chain`` [operations, 2..8]: ``"7*8 -9 +4 ="`` -> ``"56,47,51"``: the
+    results of the operations applied **left to right** (no precedence), each
+    written with two digits ("05"), every one in 0..99; the last is the final
+    answer. Each operation takes 3 characters in the prompt as each result
+    does in the response, so result k sits at a fixed distance from operation
+    k. The feedback names the **first wrong result and its correct value**
+    (prose "step 2 is 47"; compact, the results as they should start, one
+    slot per result: "56,47,__"), but never the final answer: when the first
+    wrong result is the last one it says only whether it is too high or too
+    low (or missing).
+    Problems are drawn so that no intermediate result equals the final answer
+    and the final answer is >= 10, so no number the feedback can write (an
+    intermediate result, a position or a count <= 8) is ever the final answer
+    (:func:`feedback_reveals_answer` checks that, ``tests/test_chain_task.py``
+    tries it on adversarial responses). This is the task "whose verifier knows
+    what the prompt hides" of issue 24: the located feedback carries an
+    intermediate result that blind sampling rarely finds.
 
 Example dicts (what ``make_example`` returns and the data pipeline yields)::
 
@@ -48,8 +65,9 @@ import collections
 import dataclasses
 import hashlib
 import random
+import re
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 EVAL_PERCENT = 10  # share of the problem space reserved for the eval split
 
@@ -91,6 +109,12 @@ class TaskFamily:
       ``response_chars`` characters to a problem of difficulty at most
       ``max_difficulty``, joined by ``"; "``.
     answer_chars: ``difficulty -> int``, the longest reference answer.
+    final_answer: ``example -> str``, the part of the reference answer that
+      feedback must never reveal (the whole answer, except ``chain``: its last
+      value, since its feedback names intermediate values by design).
+    corrupt: ``(example, rng) -> str``, a wrong response that looks like a
+      model's failure (the SFT warm start's corrections; :func:`corrupt`), or
+      None: one changed character of the answer (``fbos_jax/rl/sft.py``).
   """
 
   name: str
@@ -101,6 +125,8 @@ class TaskFamily:
   prompt_chars: Callable[[int], int]
   feedback_chars: Callable[[int, int, str], int]
   answer_chars: Callable[[int], int]
+  final_answer: Callable[[Mapping[str, Any]], str] = lambda ex: str(ex["answer"])
+  corrupt: Optional[Callable[[Mapping[str, Any], random.Random], str]] = None
 
 
 def _positions_chars(first: int, last: int, sep: int) -> int:
@@ -364,6 +390,128 @@ def _check_countdown(example: Mapping[str, Any], response: str,
   return Check(False, score, tuple(errors), {"value": value})
 
 
+# --------------------------------------------------------------------- chain
+
+CHAIN_MAX_VALUE = 99  # every intermediate value lies in 0..99, written with 2 digits
+CHAIN_MIN_FINAL = 10  # > every number the feedback writes besides values (positions, counts)
+_CHAIN_MAX_OPS = 8
+
+
+def _chain_apply(v: int, op: str, x: int) -> int:
+  return v + x if op == "+" else (v - x if op == "-" else v * x)
+
+
+def _gen_chain(rng: random.Random, d: int) -> dict:
+  while True:
+    v = start = rng.randint(1, 9)
+    steps = []
+    for _ in range(d):
+      x = rng.randint(1, 9)
+      choices = [op for op, ok in (("+", v + x <= CHAIN_MAX_VALUE), ("-", v - x >= 0),
+                                   ("*", x >= 2 and v * x <= CHAIN_MAX_VALUE)) if ok]
+      op = rng.choice(choices)  # never empty: v > 90 allows "-", v <= 90 allows "+"
+      v = _chain_apply(v, op, x)
+      steps.append((op, x, v))
+    values = [s[2] for s in steps]
+    # the feedback may name any intermediate value: none may be the final answer
+    if values[-1] >= CHAIN_MIN_FINAL and values[-1] not in values[:-1]:
+      break
+  # Each operation takes 3 characters ("*8 "), as each result does ("56,"): step k
+  # of the response sits at a fixed distance from operation k of the prompt.
+  prompt = str(start) + "".join(f"{op}{x} " for op, x, _ in steps) + "="
+  return {"prompt": prompt, "answer": ",".join(f"{v:02d}" for v in values), "values": values}
+
+
+def _chain_final(example: Mapping[str, Any]) -> str:
+  return str(example["answer"]).split(",")[-1]
+
+
+def _check_chain(example: Mapping[str, Any], response: str, style: str = "prose") -> Check:
+  """Feedback on a chain: the first wrong (or missing) result and its correct
+  value, unless it is the last step (then only whether it is too high or too
+  low, missing or not a number), and whether there are too many or too few
+  results. Results are the comma-separated parts of the response (two digits
+  each), 1-based; spaces are ignored. Nothing of the response is echoed (an
+  echoed number could be the final answer).
+
+  ``prose``: "step 2 is 47" / "step 4 is too high" / "step 4 is missing" /
+  "step 4 is not a number", after "write 4 results, you wrote too many" when
+  the count is wrong. ``compact``: the results as they should start, one slot
+  per result, up to the first wrong one, "__" after it: "12,47,__,__"; a wrong
+  last result is "hi" / "lo" / "??" and "ok" marks a right one (a count note,
+  "too many: " / "too few: ", goes before the slots). The slots have the
+  length of a response, and they end the feedback, so in a FAP that ends
+  with the problem each slot sits at a fixed distance from the result it
+  speaks of."""
+  gold = str(example["answer"]).split(",")
+  d = len(gold)
+  r = response.strip()
+  if not r and style != "compact":
+    return Check(False, 0.0, ("the response is empty",))
+  parts = [p.replace(" ", "") for p in r.split(",")] if r else []
+  if parts == gold:
+    return Check(True, 1.0, ())
+  k = next((i for i in range(min(len(parts), d)) if parts[i] != gold[i]), min(len(parts), d))
+  last = None  # what is wrong with the last result, when it is the first wrong one
+  if k == d - 1:
+    if k >= len(parts):
+      last = "missing"
+    elif not (parts[k].isascii() and parts[k].isdigit()):
+      last = "not a number"
+    else:
+      last = "too high" if int(parts[k]) > int(gold[k]) else "too low"
+  many = len(parts) > d
+  score = k / max(d, len(parts), 1)
+  info = {"first_wrong": k + 1}
+  if style == "compact":
+    slots = [gold[i] if i <= k and i < d - 1 else "__" for i in range(d)]
+    if k >= d - 1:
+      slots[d - 1] = {"missing": "??", "not a number": "??", "too high": "hi",
+                      "too low": "lo", None: "ok"}[last]
+    note = "" if len(parts) == d else ("too many: " if many else "too few: ")
+    return Check(False, score, (note + ",".join(slots),), info)
+  errors = []
+  if len(parts) != d:
+    errors.append(f"write {d} results, you wrote too {'many' if many else 'few'}")
+  if k < d - 1:
+    errors.append(f"step {k + 1} is {gold[k]}")
+  elif last is not None:
+    errors.append(f"step {d} is {last}")
+  return Check(False, score, tuple(errors), info)
+
+
+def _corrupt_chain(example: Mapping[str, Any], rng: random.Random) -> str:
+  """A wrong chain as a small model gets them wrong: one result off by a little
+  (1-10), the later ones computed from it, each right or off a little again.
+  Never correct."""
+  values = [int(v) for v in str(example["answer"]).split(",")]
+  ops = [(example["prompt"][1 + 3 * i], int(example["prompt"][2 + 3 * i]))
+         for i in range(len(values))]
+  v, k = int(example["prompt"][0]), rng.randrange(len(values))
+  out = []
+  for i, (op, x) in enumerate(ops):
+    v = _chain_apply(v, op, x)
+    if i == k or (i > k and rng.random() < 0.4):
+      v += rng.choice([-1, 1]) * rng.randint(1, 10)
+    v = min(max(v, 0), CHAIN_MAX_VALUE)
+    out.append(f"{v:02d}")
+  text = ",".join(out)
+  return text if text != example["answer"] else text + ",00"
+
+
+def _chain_feedback_chars(d: int, length: int, style: str) -> int:
+  """Bound of :func:`_check_chain`'s feedback; it does not depend on the
+  response (nothing of it is echoed): prose, a count line, "; " and a step
+  line; compact, the count note and the slots."""
+  del length
+  if style == "compact":
+    return len("too many: ") + 3 * d - 1
+  count = len(f"write {d} results, you wrote too many")
+  step = max(len(f"step {d} is {CHAIN_MAX_VALUE}"), len(f"step {d} is not a number"),
+             len(f"step {d} is missing"), len(f"step {d} is too high"))
+  return max(len("the response is empty"), count + 2 + step)
+
+
 # ----------------------------------------------------------------- registry
 
 FAMILIES: dict[str, TaskFamily] = {
@@ -378,6 +526,10 @@ FAMILIES: dict[str, TaskFamily] = {
         TaskFamily("countdown", 2, 6, _gen_countdown, _check_countdown,
                    prompt_chars=lambda d: len("use  make 999=") + 2 * d - 1,
                    feedback_chars=_countdown_feedback_chars, answer_chars=lambda d: 2 * d - 1),
+        TaskFamily("chain", 2, _CHAIN_MAX_OPS, _gen_chain, _check_chain,
+                   prompt_chars=lambda d: 3 * d + 2, feedback_chars=_chain_feedback_chars,
+                   answer_chars=lambda d: 3 * d - 1, final_answer=_chain_final,
+                   corrupt=_corrupt_chain),
     )
 }
 
@@ -458,6 +610,79 @@ def check(example: Mapping[str, Any], response: str, style: str = "prose") -> Ch
   if style not in FEEDBACK_STYLES:
     raise ValueError(f"feedback style {style!r}; expected one of {FEEDBACK_STYLES}")
   return get_family(example["task"]).check(example, response, style)
+
+
+def corrupt(example: Mapping[str, Any], rng: random.Random) -> Optional[str]:
+  """A model-like wrong response to a procedural example (``TaskFamily.corrupt``),
+  or None when its family has no such generator (or it is not procedural)."""
+  fam = FAMILIES.get(str(example.get("task", "")))
+  return fam.corrupt(example, rng) if fam and fam.corrupt else None
+
+
+def final_answer(example: Mapping[str, Any]) -> str:
+  """The part of an example's reference answer that feedback must not reveal
+  (``TaskFamily.final_answer``; the whole answer for a non-procedural record)."""
+  fam = FAMILIES.get(str(example.get("task", "")))
+  return fam.final_answer(example) if fam else str(example["answer"])
+
+
+_NUMBER_WORDS = dict(
+    [(w, i) for i, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen "
+        "fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())]
+    + [(w, i + 1) for i, w in enumerate(
+        "first second third fourth fifth sixth seventh eighth ninth tenth".split())]
+    + [("once", 1), ("twice", 2)])
+
+
+def _canonical_int(text: str) -> bool:
+  return text.isascii() and text.isdigit() and (text == "0" or not text.startswith("0"))
+
+
+def feedback_reveals_answer(feedback: str, example: Mapping[str, Any]) -> bool:
+  """Whether ``feedback`` contains the example's final answer (:func:`final_answer`)
+  as a number: a run of digits equal to it as an integer ("047" is 47), or a
+  number word ("three", "third") of it; a non-numeric answer, as a substring."""
+  final = final_answer(example).strip()
+  if not final:
+    return False
+  if not _canonical_int(final):
+    return final in feedback or any(t == final for t in re.findall(r"\d+", feedback))
+  want = int(final)
+  if any(int(t) == want for t in re.findall(r"\d+", feedback)):
+    return True
+  return any(_NUMBER_WORDS.get(w) == want for w in re.findall(r"[a-z]+", feedback.lower()))
+
+
+def wrong_responses(example: Mapping[str, Any], rng: random.Random, k: int = 64) -> list[str]:
+  """Up to ``k`` wrong responses to ``example``, adversarial to a feedback that
+  could leak the answer: the final answer alone, repeated or in every position,
+  its neighbours, prefixes and extensions of the reference, one value changed,
+  leading zeros, signs, non-ASCII digits, separators only, long noise and
+  random digit strings. Every one is checked wrong (``check``)."""
+  ans, final = str(example["answer"]), final_answer(example)
+  parts = ans.split(",")
+  cands = ["", " ", ",", ",,,", final, f"{final},{final}", ",".join([final] * len(parts)),
+           final + ",", "," + final, "0" + final, "-" + final, final + "0", ans + ",",
+           ans + "," + final, ans + ",0", ",".join(parts[:-1]), ans[:-1], ans + "9",
+           "\u0663" + final, final * 30, "x" * 70, ans.replace(",", ";"), ans.replace(",", " ")]
+  if _canonical_int(final):
+    f = int(final)
+    cands += [str(f + dx) for dx in (-10, -2, -1, 1, 2, 10) if f + dx >= 0]
+  for i in range(len(parts)):  # one value changed, everything else right
+    for v in (final, "0", str(rng.randint(0, 99)), parts[i] + "0", "a"):
+      cands.append(",".join(parts[:i] + [v] + parts[i + 1:]))
+    cands.append(",".join(parts[:i]))  # a prefix
+  while len(cands) < 4 * k:
+    n = rng.randint(1, 24)
+    cands.append("".join(rng.choice("0123456789,") for _ in range(n)))
+  out, seen = [], set()
+  for c in cands:
+    if c not in seen and not check(example, c).correct:
+      seen.add(c)
+      out.append(c)
+  rng.shuffle(out)
+  return out[:k]
 
 
 def _families(task: str | Sequence[str]) -> list[TaskFamily]:

@@ -22,6 +22,14 @@ output labels them so).
 After each warm start, ``--probe_batches`` batches are sampled without training
 (round 1 and a FAP round 2): round-1 success, all-fail and all-equal groups,
 FAP truncation and the fix rate per round-1 success bucket of the warm start.
+Then the feedback-reading probe (``fbos_jax/rl/probe.py``, ``--feedback_probe``)
+on as many fresh batches: on the failed round-1 rollouts, log p(gold | FAP)
+against log p(gold | q), the fix rate from the FAP against a fresh sample from
+q, overall and on all-fail groups, and the controls on the same rollouts
+(feedback swapped with another prompt's rollout's, feedback removed, attempt
+removed). ``--probe_only`` writes them to WORKDIR/probe.json and probe.md:
+
+  python launch/compare.py --probe_only --variant=tiny_chain --seeds=1 --workdir=/tmp/chain_probe
 
 Writes WORKDIR/compare.json (every number, the command, the note), compare.md
 (the tables) and compare.png (the curves).
@@ -58,6 +66,9 @@ flags.DEFINE_bool("shared_warm_start", False, "One warm start (seed 0) for every
 flags.DEFINE_integer("probe_batches", 10, "Batches sampled after each warm start to measure it "
                  "(round-1 success, all-fail groups, fix rates); 0 = none.")
 flags.DEFINE_bool("probe_only", False, "Train and probe the warm starts, then stop.")
+flags.DEFINE_bool("feedback_probe", True, "Also run the feedback-reading probe "
+                  "(fbos_jax/rl/probe.py: log p(gold | FAP) vs log p(gold | q), the fix rate "
+                  "vs a fresh resample, and the controls) on --probe_batches batches.")
 flags.DEFINE_string("note", "", "What else shared the machine (written into every output).")
 flags.DEFINE_bool("resummarize", False, "Rebuild compare.md / compare.png / the table in "
                   "compare.json from the runs already in WORKDIR/compare.json (no training).")
@@ -337,6 +348,7 @@ def probe_markdown(probes: dict) -> str:
   """The warm starts measured before any RL step (``--probe_batches``)."""
   if not probes:
     return ""
+  probes = {s: {k: v for k, v in p.items() if k != "feedback_probe"} for s, p in probes.items()}
   first = next(iter(probes.values()))
   keys = (["reward/round1_solved", "groups/all_fail_frac", "groups/all_equal_frac",
            "fap/truncated_frac", "fix_rate", "resample_rate"]
@@ -455,6 +467,19 @@ def probe_warm_start(trainer, params, batches: int) -> dict:
   return out
 
 
+def jax_key(seed: int):
+  import jax
+  return jax.random.key(seed)
+
+
+def feedback_probe_markdown(probes: dict) -> str:
+  """The feedback-reading probe of each warm start (``--feedback_probe``)."""
+  from fbos_jax.rl import probe as probe_lib
+  got = {f"seed {s}": p["feedback_probe"] for s, p in sorted(probes.items())
+         if "feedback_probe" in p}
+  return probe_lib.markdown(got) if got else ""
+
+
 def warm_starts(seeds: list) -> tuple:
   """The warm start of each seed (trained once, cached), its held-out accuracy
   and its probe: ({seed: params}, {seed: eval}, {seed: probe})."""
@@ -475,6 +500,15 @@ def warm_starts(seeds: list) -> tuple:
     if FLAGS.probe_batches > 0:
       probes[seed] = probe_warm_start(tr, p, FLAGS.probe_batches)
       print(f"warm start (seed {seed}) probe: {json.dumps(probes[seed])}", flush=True)
+      if FLAGS.feedback_probe:
+        from fbos_jax.rl import probe as probe_lib
+        t0 = time.perf_counter()
+        fp = probe_lib.run_probe(tr.ctx, p, lambda: next(tr.train_iter), FLAGS.probe_batches,
+                                 key=jax_key(4048 + seed))
+        fp["seconds"] = time.perf_counter() - t0
+        probes[seed]["feedback_probe"] = fp
+        print(f"warm start (seed {seed}) feedback-reading probe:\n"
+              + probe_lib.markdown({f"seed {seed}": fp}), flush=True)
     tr.close()
     params[seed], evals[seed] = p, ev
   if FLAGS.shared_warm_start:
@@ -511,7 +545,17 @@ def main(argv):
     meta["machine"]["end"] = machine_state()
     with open(os.path.join(FLAGS.workdir, "probe.json"), "w") as f:
       json.dump(meta, f, indent=1, default=float)
-    print(probe_markdown(probes))
+    md = probe_markdown({s: {k: v for k, v in p.items() if k != "feedback_probe"}
+                         for s, p in probes.items()})
+    fb = feedback_probe_markdown(probes)
+    with open(os.path.join(FLAGS.workdir, "probe.md"), "w") as f:
+      f.write(f"Command: `{meta['command']}`\n\nWarm starts: "
+              + "; ".join(f"seed {s}: greedy {e['eval/accuracy']:.3f}, T=1 "
+                          f"{e.get('eval/pass@1_sampled', float('nan')):.3f}"
+                          for s, e in sorted(sft_evals.items()))
+              + f"\n\n{md}\n\nFeedback-reading probe:\n\n{fb}\n")
+    print(md)
+    print(fb)
     return
   base_cfg = shared_setup(load_config(REFERENCE, FLAGS.variant), FLAGS.quick)
   budget = FLAGS.budget or (64 if FLAGS.quick else 128 * base_cfg.train.steps)
@@ -578,6 +622,9 @@ def write_outputs(results, sft_eval, budget, seeds, wall, meta=None, quiet=False
             f"pooled over round-2 rows per run; ± over seeds):\n\n{diag}\n")
     if probe:
       f.write(f"\nWarm starts before RL (``--probe_batches``):\n\n{probe}\n")
+    fb = feedback_probe_markdown({int(k): v for k, v in meta.get("probes", {}).items()})
+    if fb:
+      f.write(f"\nFeedback-reading probe of the warm starts:\n\n{fb}\n")
   title = (f"{meta.get('command', '')}\nshared with: {meta.get('note') or '(no --note)'}; "
            f"load {load('start')} -> {load('end')}; equal-steps arms stop at "
            f"{meta.get('equal_steps', '?')} steps")

@@ -265,7 +265,7 @@ def _worst_responses(tok, length, rng):
 
 
 @pytest.mark.parametrize("task,lo,hi", [("sort", 4, 10), ("sort", 9, 14), ("arithmetic", 1, 3),
-                                        ("countdown", 2, 4)])
+                                        ("countdown", 2, 4), ("chain", 2, 8)])
 @pytest.mark.parametrize("style", ["prose", "compact"])
 def test_feedback_bound_holds_for_adversarial_responses(char_tok, task, lo, hi, style):
   rng = random.Random(0)

@@ -16,7 +16,8 @@ from fbos_jax.model import qwen
 from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import objectives
 from fbos_jax.rl.context import DecodeError
-from fbos_jax.rl.trainer import RLTrainer, VerifierFailingError
+from fbos_jax.rl.guards import VerifierFailingError
+from fbos_jax.rl.trainer import RLTrainer
 
 LIMIT = 20  # the "tokenizer's" size; the model has 32 rows
 

@@ -92,7 +92,12 @@ class RolloutContext:
                           num_workers=vc.workers, timeout_s=vc.timeout_s, backend=vc.backend,
                           reward_range=tuple(vc.reward_range),
                           max_abandoned_threads=vc.max_abandoned_threads)
-    budget = (budget_lib.check_fap_budget(config, parts, tokenizer) if check_budget else None)
+    budget = None
+    if check_budget:
+      from fbos_jax.verifiers import procedural
+      budget = budget_lib.check_fap_budget(config, parts, tokenizer)
+      if pool is not None:  # data.feedback_may_reveal_answer=False: refuse such a task now
+        procedural.check_config_answer_hidden(config, pool.verifier)
     return cls(parts, tokenizer=tokenizer,
                prompt_builder=templates.PromptBuilder(tokenizer, config.templates), pool=pool,
                mesh=mesh, rules=sh.rules_dict(config.mesh.rules), fap_budget=budget)

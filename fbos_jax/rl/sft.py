@@ -10,7 +10,9 @@ Correction demonstrations (``sft.fap_fraction`` of a batch) teach the FAP
 format: FAP(q, o_wrong, F) -> the verified solution. ``sft.corrections`` says
 where o_wrong comes from:
 
-* ``corrupt``: one changed, dropped or added character of the solution. Real
+* ``corrupt``: one changed, dropped or added character of the solution (a task
+  family may generate its own model-like failures instead, ``tasks.corrupt``:
+  ``chain`` puts a small error in one step and carries it on). Real
   failures look different: on the tiny sorting task the warm-started model's
   failures carry 1-11 located errors (a third of them 3 or more, and runaway
   repeats up to the token limit), so round 2 met feedback it had never seen.
@@ -23,9 +25,34 @@ where o_wrong comes from:
   samples all pass falls back to a corruption). The corrections then follow
   the distribution of failures RL's round 2 starts from.
 
-The cache fingerprint holds the whole ``sft`` section, so a changed recipe never
-reuses an old warm start (the ``corrupt`` recipe leaves its new fields out, so
-caches trained before they existed stay valid).
+**Stages** (``sft.stages``, issue 24): a recipe of stages run in order, each a
+dict of ``sft.*`` fields over the flat ones (its own ``steps``,
+``learning_rate``, ``fap_fraction``, ``corrections``, ...; an optional
+``name``), each starting from the previous stage's params with a fresh
+optimizer. E.g. demonstrations first, then a corrections-heavy stage whose
+wrong attempts are the model's own failures, so the model learns to read the
+feedback. Stage ``i > 0`` draws its problems with ``data.generation_seed`` (and
+the order seed) moved by ``1009 * i``, so it sees problems the stages before it
+did not. Every stage is cached on its own (``stages/<i>/`` under the cache
+directory; the last stage is the cache itself), so a stopped warm start resumes
+at the first stage that is not done, and gives the same params as a run that
+was never stopped. ``sft.stages=()`` is one stage made of the flat fields.
+
+**The cache** is valid only with its fingerprint (``sft_config.json``: the config
+fields that decide the result, :func:`_fingerprint`). The fingerprint is written
+(atomically) before the params, and orbax writes the params to a temporary
+directory renamed when complete, so params without a fingerprint are never left
+by a stopped save: a cache whose fingerprint is missing is not trusted, its
+params are moved aside (``params.unverified-<time>``, nothing is deleted) and
+the stage is retrained, with a warning that says so; a fingerprint that differs
+from the config's refuses to start, naming each differing field. The ``corrupt``
+recipe without stages leaves the newer fields out of its fingerprint, so caches
+trained before they existed stay valid.
+
+A config with ``data.feedback_may_reveal_answer=False`` has already run
+:func:`fbos_jax.verifiers.procedural.check_config_answer_hidden` when its
+context was built (``RolloutContext.build``): a task whose feedback contains the
+final answer is refused before anything trains, with an example record.
 """
 
 from __future__ import annotations
@@ -33,15 +60,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 from typing import Optional
 
 import jax
+import ml_collections as mlc
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
 from fbos_jax import buckets
 from fbos_jax import data as data_lib
+from fbos_jax import metrics as metrics_lib
 from fbos_jax import sharding as sh
 from fbos_jax import tasks as tasks_lib
 from fbos_jax import templates
@@ -95,6 +125,8 @@ def demonstration_rows(ctx, examples, *, conditional: bool, rng: random.Random,
   for i, text in enumerate(solutions):  # the same draws, in the same order, as one by one
     if not conditional and i < num_corrections:
       own = failures[i] if failures is not None and i < len(failures) else None
+      if own is None and not field:  # a task's own model-like failure (chain), if it has one
+        own = tasks_lib.corrupt(examples[i], rng)
       wrong[i] = own if own is not None else _corrupt(text, rng)
     if conditional and rng.random() < 0.5:
       text = _corrupt(text, rng)
@@ -110,7 +142,11 @@ def demonstration_rows(ctx, examples, *, conditional: bool, rng: random.Random,
   for i, ex in enumerate(examples):
     w, ok = verdict.get((i, wrong.get(i))), verdict.get((i, solutions[i]))
     if i in wrong and w and ok and w[0] < thr and ok[0] >= thr:
-      fap = ctx.prompts.fap(ex["prompt"], wrong[i], w[1])
+      try:
+        fap = ctx.prompts.fap(ex["prompt"], wrong[i], w[1])
+      except templates.PromptTooLongError as e:  # templates.truncation=error, or no room
+        raise buckets.BucketError(f"SFT: the correction prompt of {data_lib.locate(ex)}: {e} "
+                                  f"(templates.max_prompt_tokens); {_OVER_LONG_HINT}") from None
       corr[0].append(fap.token_ids)
       corr[1].append(templates.encode_plain(ctx.tokenizer, solutions[i]) + [eos])
       n_own += int(failures is not None and i < len(failures) and failures[i] is not None)
@@ -185,37 +221,43 @@ def _sft_setup(config, ctx, steps: int):
   return optim_cfg, ucfg, n_corr, rows
 
 
-def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress: bool = True):
+def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress: bool = True,
+              stage: int = 0, desc: str = "SFT warm start"):
   """Run ``sft.steps`` MLE steps from ``params`` on ``ctx``'s mesh; returns
   (params, metrics list). ``rng``: the run's ``TrainState.rng``; the warm start
-  draws from its ``sft`` stream (data order, corruptions, own samples)."""
+  draws from its ``sft`` stream (data order, corruptions, own samples), each
+  stage from its own sub-stream. ``config`` holds one stage's fields
+  (:func:`stage_configs`); a later ``stage`` also draws new problems
+  (``data.generation_seed`` moved by ``STAGE_SEED_STRIDE * stage``)."""
   steps = config.sft.steps if steps is None else steps
   optim_cfg, ucfg, n_corr, rows = _sft_setup(config, ctx, steps)
   mesh = ctx.mesh
   step_fn = update_lib.compiled_update(ctx.parts, mesh, ctx.rules, ucfg=ucfg, optim_cfg=optim_cfg)
-  sft_key = state_lib.stream_key(rng, "sft")
   state = state_lib.init_state(ctx.parts, mesh, ctx.rules, params, optim_cfg=optim_cfg,
-                               rng=jax.random.key_data(sft_key))
-  it = data_lib.make_prompt_iterator(config.data, batch_size=config.sft.batch_size,
+                               rng=jax.random.key_data(state_lib.stream_key(rng, "sft", stage)))
+  data_cfg = config.data
+  if stage:  # new problems for a later stage (procedural content, file order)
+    data_cfg = mlc.ConfigDict(config.data.to_dict())
+    data_cfg.generation_seed = int(data_cfg.generation_seed) + STAGE_SEED_STRIDE * stage
+  it = data_lib.make_prompt_iterator(data_cfg, batch_size=config.sft.batch_size,
                                      process_index=jax.process_index(),
                                      process_count=jax.process_count(),
-                                     seed=state_lib.host_seed(rng, "sft", 0),
+                                     seed=state_lib.host_seed(rng, "sft", stage, 0),
                                      tokenizer=ctx.tokenizer, templates_config=config.templates)
   builder = _BatchBuilder(config, ctx, n_corr, rows,
-                          random.Random(state_lib.host_seed(rng, "sft", 1)))
-  sample_key = state_lib.stream_key(rng, "sft", 2)
+                          random.Random(state_lib.host_seed(rng, "sft", stage, 1)))
+  sample_key = state_lib.stream_key(rng, "sft", stage, 2)
   put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh, ctx.rules), b)
   history = []
-  bar = range(steps)
-  if progress and jax.process_index() == 0:
-    from tqdm.auto import tqdm
-    bar = tqdm(bar, desc="SFT warm start", dynamic_ncols=True)
+  bar = metrics_lib.progress(range(steps), progress and jax.process_index() == 0, desc)
   prev = None
   self_from = _self_corrections_start(config, steps) if n_corr else steps
   if self_from < steps:
     builder.start_at_common_fap_bucket()
   for s in bar:
     examples = next(it)
+    check_prompt_lengths(ctx, examples, builder.p_buckets[-1], conditional=config.sft.conditional,
+                         positive_feedback=ctx.spec.fcp_positive_feedback)
     failures = None
     if s >= self_from:
       failures = own_failures(config, ctx, state.params, examples[:n_corr],
@@ -232,7 +274,32 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
     prev = (s, m, stats)
   if prev is not None:
     _record(history, bar, ucfg, *prev)
+  for h in history:
+    h["stage"] = stage
   return state.params, history
+
+
+_OVER_LONG_HINT = ("raise the budget, or drop such records at load with "
+                   "--config.data.max_prompt_tokens=N (data.over_long=filter)")
+
+
+def check_prompt_lengths(ctx, examples, longest: int, *, conditional: bool = False,
+                         positive_feedback: str = "correct"):
+  """Raise a BucketError naming the record (``file:line`` and id, as the RL
+  rollout's ``prompt_ids`` does) when an example's prompt does not fit the
+  template budget or the largest prompt bucket ``longest``."""
+  for ex in examples:
+    try:
+      ids = (ctx.prompts.fcp(ex["prompt"], positive_feedback) if conditional
+             else ctx.prompts.plain(ex["prompt"])).token_ids
+    except templates.PromptTooLongError as e:
+      raise buckets.BucketError(f"SFT: the prompt of {data_lib.locate(ex)}: {e} "
+                                f"(templates.max_prompt_tokens); {_OVER_LONG_HINT}") from None
+    if len(ids) > longest:
+      raise buckets.BucketError(
+          f"SFT: the prompt of {data_lib.locate(ex)} has {len(ids)} tokens, more than the "
+          f"largest sampling.prompt_buckets / sampling.fap_prompt_buckets={longest}; "
+          f"{_OVER_LONG_HINT}")
 
 
 class _BatchBuilder:
@@ -316,21 +383,57 @@ def _record(history, bar, ucfg, s, m, stats):
 # sft fields that the ``corrupt`` recipe ignores: left out of its fingerprint, so a
 # cache trained before they existed (the same recipe) is still recognised
 _SELF_ONLY_FIELDS = ("corrections", "self_corrections_from", "self_samples")
+# fields that do not change the warm start's result
+_DATA_IGNORED = ("read_threads", "feedback_may_reveal_answer")
+STAGE_SEED_STRIDE = 1009  # stage i draws its problems with seeds moved by i x this
+_STAGE_KEYS = ("name",)  # a stage's keys besides sft fields
 
 
-def _fingerprint(config, parts) -> dict:
-  """The config fields that decide the warm start's result (model, data, SFT recipe)."""
-  data = {k: v for k, v in config.data.to_dict().items() if k != "read_threads"}
+def stage_configs(config) -> list:
+  """The warm start's stages as [(name, config)]: each config is ``config`` with
+  the stage's ``sft.*`` fields set (and ``sft.stages`` emptied). No stages: one,
+  named "sft", the config itself. An unknown field raises, naming the stage."""
+  stages = tuple(config.sft.get("stages", ()) or ())
+  if not stages:
+    return [("sft", config)]
+  known = sorted(k for k in config.sft.keys() if k != "stages")
+  out = []
+  for i, st in enumerate(stages):
+    st = dict(st)
+    name = str(st.pop("name", f"stage{i + 1}"))
+    bad = sorted(k for k in st if k not in known)
+    if bad:
+      raise ValueError(f"sft.stages[{i}] ({name!r}): unknown sft field(s) {bad}; a stage "
+                       f"sets fields of the sft section: {known} (and 'name')")
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+      for k, v in st.items():
+        c.sft[k] = v
+      c.sft.stages = ()
+    if int(c.sft.steps) < 1:
+      raise ValueError(f"sft.stages[{i}] ({name!r}): steps={c.sft.steps}: must be >= 1")
+    out.append((name, c))
+  return out
+
+
+def _fingerprint(config, parts, stages: Optional[int] = None) -> dict:
+  """The config fields that decide the warm start's result (model, data, SFT
+  recipe); ``stages``: of the first that many stages only (a stage's cache)."""
+  data = {k: v for k, v in config.data.to_dict().items() if k not in _DATA_IGNORED}
   sft = config.sft.to_dict()
-  if sft.get("corrections", "corrupt") == "corrupt":
+  recipe = list(sft.pop("stages", ()) or ())
+  if recipe:
+    sft["stages"] = [dict(st) for st in recipe[:stages if stages is not None else len(recipe)]]
+  if not recipe and sft.get("corrections", "corrupt") == "corrupt":
     sft = {k: v for k, v in sft.items() if k not in _SELF_ONLY_FIELDS}
   out = {"seed": config.seed, "model": config.model.to_dict(), "data": data,
          "sft": sft, "max_new_tokens": parts.sampling.round1.max_new_tokens,
          "templates": config.templates.to_dict()}
-  if sft.get("corrections") == "self":  # the own samples depend on these too
+  uses_self = [sft.get("corrections")] + [st.get("corrections") for st in sft.get("stages", [])]
+  if "self" in uses_self:  # the own samples depend on these too
     out["sampling"] = {k: getattr(parts.sampling.round1, k)
                        for k in ("temperature", "top_k", "top_p")}
-  return out
+  return json.loads(json.dumps(out, default=list))
 
 
 def _diff(a, b, prefix="") -> list:
@@ -340,35 +443,95 @@ def _diff(a, b, prefix="") -> list:
   return [] if a == b else [f"{prefix[:-1]}: cached {a!r}, now {b!r}"]
 
 
-def warm_start(config, ctx, state, *, cache_dir: str):
-  """Train SFT from ``state``'s params (its ``sft`` PRNG stream) once and cache it
-  in ``cache_dir`` (reused on later runs). Returns (params, cached).
+class _Cache:
+  """One cached set of params with its fingerprint: ``DIR/params`` (orbax) and
+  ``DIR/sft_config.json``."""
 
-  The cache records the config fields it was trained with (``sft_config.json``);
-  reusing it under different ones (e.g. another ``--config.sft.steps``) raises
-  instead of silently starting RL from the wrong warm start."""
+  def __init__(self, directory: str, what: str):
+    self.dir, self.what = directory, what
+    self.params = os.path.abspath(os.path.join(directory, "params"))
+    self.meta = os.path.join(directory, "sft_config.json")
+
+  def load(self, want: dict, abstract, ckptr):
+    """The cached params if the cache is valid for ``want``, else None (nothing
+    there, or params without a fingerprint: moved aside, to retrain). A
+    fingerprint that differs raises, naming the fields."""
+    if not os.path.exists(self.params):
+      if os.path.exists(self.meta):
+        logging.info("Warm start: %s in %s has a fingerprint but no params (a stopped "
+                     "save); training it", self.what, self.dir)
+      return None
+    if not os.path.exists(self.meta):
+      aside = f"{self.params}.unverified-{time.strftime('%Y%m%d-%H%M%S')}"
+      msg = (f"Warm start: the cached {self.what} in {self.dir} has no fingerprint "
+             f"({os.path.basename(self.meta)}), so what trained it is unknown: RETRAINING "
+             f"it (the old params are kept at {aside})")
+      logging.warning("%s", msg)
+      print(msg, flush=True)
+      if jax.process_index() == 0:
+        os.replace(self.params, aside)
+      return None
+    with open(self.meta) as f:
+      diffs = _diff(json.load(f), want)
+    if diffs:
+      raise ValueError(
+          f"The cached {self.what} in {self.dir} was trained with a different config:\n  "
+          + "\n  ".join(diffs) + f"\nUse a new --workdir, or delete {self.dir} to retrain "
+          "it (the RL checkpoints in the workdir are kept either way).")
+    return ckptr.restore(self.params, abstract)
+
+  def save(self, params, want: dict, ckptr):
+    """The fingerprint first (written to a temporary file, then renamed), then the
+    params (orbax renames its temporary directory when the save is complete)."""
+    os.makedirs(self.dir, exist_ok=True)
+    if jax.process_index() == 0:
+      tmp = f"{self.meta}.tmp-{os.getpid()}"
+      with open(tmp, "w") as f:
+        json.dump(want, f, indent=1)
+      os.replace(tmp, self.meta)
+    ckptr.save(self.params, params)
+    ckptr.wait_until_finished()
+
+
+def warm_start(config, ctx, state, *, cache_dir: str):
+  """Train the SFT recipe (its stages in order) from ``state``'s params (its
+  ``sft`` PRNG stream) once and cache it in ``cache_dir``; returns (params, cached).
+
+  Later runs reuse the cache when its fingerprint matches the config, refuse
+  when it differs (naming the fields), and retrain, saying so, when it has no
+  fingerprint. A stopped run resumes after the last stage it cached
+  (``cache_dir/stages/<i>``); the last stage is cached in ``cache_dir`` itself.
+  ``cached`` is True only when no stage was trained."""
   ckptr = ocp.StandardCheckpointer()
-  path = os.path.abspath(os.path.join(cache_dir, "params"))
-  meta = os.path.join(cache_dir, "sft_config.json")
-  want = json.loads(json.dumps(_fingerprint(config, ctx.parts), default=list))
+  params = state.params
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                          state.params)
-  if os.path.exists(path):
-    if os.path.exists(meta):
-      with open(meta) as f:
-        diffs = _diff(json.load(f), want)
-      if diffs:
-        raise ValueError(
-            f"The cached warm start in {cache_dir} was trained with a different config:\n  "
-            + "\n  ".join(diffs) + f"\nUse a new --workdir, or delete {cache_dir} to retrain "
-            "it (the RL checkpoints in the workdir are kept either way).")
-    logging.info("Warm start: reusing cached SFT params at %s", path)
-    return ckptr.restore(path, abstract), True
-  params, hist = train_sft(config, ctx, state.params, state.rng, progress=config.train.progress)
-  os.makedirs(cache_dir, exist_ok=True)
-  ckptr.save(path, params)
-  ckptr.wait_until_finished()
-  if jax.process_index() == 0:
-    with open(meta, "w") as f:
-      json.dump(want, f, indent=1)
+                          params)
+  stages = stage_configs(config)
+  k = len(stages)
+  caches = [_Cache(os.path.join(cache_dir, "stages", str(i)), f"warm start stage {i + 1} of {k}")
+            for i in range(k - 1)] + [_Cache(cache_dir, "warm start")]
+  wants = ([_fingerprint(config, ctx.parts, i + 1) for i in range(k - 1)]
+           + [_fingerprint(config, ctx.parts)])
+  start = 0
+  for i in reversed(range(k)):
+    got = caches[i].load(wants[i], abstract, ckptr)
+    if got is not None:
+      if i == k - 1:
+        logging.info("Warm start: reusing cached SFT params at %s", caches[i].params)
+        return got, True
+      params, start = got, i + 1
+      msg = (f"Warm start: stage {i + 1} of {k} ({stages[i][0]}) is cached in {caches[i].dir}; "
+             f"resuming at stage {i + 2} ({stages[i + 1][0]})")
+      logging.info("%s", msg)
+      print(msg, flush=True)
+      break
+  for i in range(start, k):
+    name, sc = stages[i]
+    if k > 1:
+      logging.info("Warm start: stage %d of %d (%s): %d steps at lr %g, fap_fraction %g, "
+                   "corrections %s", i + 1, k, name, sc.sft.steps, sc.sft.learning_rate,
+                   sc.sft.fap_fraction, sc.sft.get("corrections", "corrupt"))
+    params, _ = train_sft(sc, ctx, params, state.rng, progress=config.train.progress,
+                          stage=i, desc=f"SFT {name}" if k > 1 else "SFT warm start")
+    caches[i].save(params, wants[i], ckptr)
   return params, False

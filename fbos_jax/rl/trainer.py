@@ -25,7 +25,9 @@ from fbos_jax import metrics as metrics_lib
 from fbos_jax import sharding as sh
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import evaluation
+from fbos_jax.rl import guards
 from fbos_jax.rl import objectives
+from fbos_jax.rl import probe as probe_lib
 from fbos_jax.rl import rollout as rollout_lib
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl import update as update_lib
@@ -34,14 +36,6 @@ from fbos_jax.rl.context import RolloutContext
 # metrics summed (not averaged) over hosts: counts and throughput
 SUM_METRICS = ("tokens/generated", "rollouts/generated", "round2/rollouts", "epa/injected",
                "tokens/per_s", "verifier/calls", "verifier/errors", "eval/verifier_errors")
-
-
-class NonFiniteStepError(FloatingPointError):
-  pass
-
-
-class VerifierFailingError(RuntimeError):
-  """Every verifier call failed for ``verifier.max_failed_steps`` steps in a row."""
 
 
 class RLTrainer:
@@ -77,7 +71,8 @@ class RLTrainer:
                                       save_every=config.train.checkpoint_every,
                                       keep=config.train.keep_checkpoints)
     self.rl_seconds_before = 0.0  # RL time of the run before the restored checkpoint
-    self._failed_steps = 0  # consecutive steps whose every verifier call failed
+    self.guard = guards.StepGuard(self.parts.update.skip_nonfinite,
+                                  int(config.verifier.max_failed_steps))
 
   # ------------------------------------------------------------------ state
   def init_state(self, params=None) -> state_lib.TrainState:
@@ -130,7 +125,7 @@ class RLTrainer:
 
   def train_step(self, state: state_lib.TrainState, step: int):
     """One loop step: rollout with the sampling params, then the update."""
-    examples = next(self.train_iter)
+    examples = self.last_examples = next(self.train_iter)
     key = state_lib.stream_key(state.rng, "sample", step)
     t0 = time.perf_counter()
     batches, m, gfpo = rollout_lib.rollout_step(self.ctx, state.sampling_params(), examples,
@@ -152,32 +147,8 @@ class RLTrainer:
               "tokens/per_s": m["tokens/generated"] / max(t1 - t0, 1e-9),
               "nonfinite_steps": int(state.nonfinite_steps)})
     m = distributed.mean_over_processes(m, sum_keys=SUM_METRICS)
-    self._check_step(m, examples, step + 1)
+    self.guard.annotate(m, examples, step + 1)
     return state, m
-
-  def _check_step(self, m: dict, examples: list, logged_step: int):
-    """Name a skipped (non-finite) optimizer step in the log and the metrics."""
-    if m["policy/finite"] < 1:
-      ids = [str(ex.get("id", "")) for ex in examples]
-      logging.warning("step %d: an optimizer step was skipped (non-finite loss or gradient); "
-                      "batch ids: %s", logged_step, ids)
-      m["skipped_batch_ids"] = ids
-
-  def _stop_if_failing(self, m: dict, step: int):
-    """After step ``step`` is logged: raise on a skipped step without
-    ``rl.skip_nonfinite``, and when every verifier call failed in
-    ``verifier.max_failed_steps`` steps in a row."""
-    if m["policy/finite"] < 1 and not self.parts.update.skip_nonfinite:
-      raise NonFiniteStepError(
-          f"non-finite loss or gradient at step {step} (rl.skip_nonfinite=False)")
-    calls = m.get("verifier/calls", 0)
-    self._failed_steps = self._failed_steps + 1 if calls and m["verifier/errors"] >= calls else 0
-    limit = int(self.config.verifier.max_failed_steps)
-    if limit and self._failed_steps >= limit:
-      raise VerifierFailingError(
-          f"every verifier call failed in {self._failed_steps} steps in a row (up to step "
-          f"{step}; the error kinds are counted in verifier/<kind> in metrics.jsonl and "
-          f"each was logged once to log.txt); verifier.max_failed_steps={limit}")
 
   # ------------------------------------------------------------------ the loop
   def train(self, state=None, *, steps: Optional[int] = None, eval_examples=None,
@@ -207,9 +178,12 @@ class RLTrainer:
       s = int(state.step)
       if every > 0 and eval_examples and (s % every == 0 or s == steps):
         m.update(self.evaluate(state, eval_examples, k=k, step=s))
+      if cfg.train.probe_every > 0 and s % cfg.train.probe_every == 0:
+        m.update(probe_lib.probe_metrics(self.ctx, state.params, self.last_examples,
+                                         state_lib.stream_key(state.rng, "eval", s, 1)))
       self.metrics.write(s, m)
       history.append(dict(m, step=s))
-      self._stop_if_failing(m, s)
+      self.guard.check(m, s)
       last_acc = m.get("eval/accuracy", last_acc)
       if hasattr(bar, "set_postfix"):
         bar.set_postfix(r1=f"{m['reward/round1']:.2f}", acc=f"{last_acc:.2f}", refresh=False)

@@ -17,7 +17,7 @@ config selects it with ``data.verifier`` alone::
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from fbos_jax import tasks
 from fbos_jax.verifiers.base import CORRECT_FEEDBACK
@@ -87,3 +87,60 @@ def feedback_style_of(verifier_name: str) -> str | None:
   if verifier_name in (COMPACT_PATH, "procedural_compact"):
     return "compact"
   return None
+
+
+class FeedbackRevealsAnswerError(ValueError):
+  """A task's feedback contains its final answer while the config forbids it."""
+
+
+def check_answer_hidden(verifier, examples, *, responses_per_example: int = 32,
+                        seed: int = 0) -> int:
+  """Run ``verifier`` on wrong responses to ``examples`` (adversarial ones
+  included: ``tasks.wrong_responses``) and raise :class:`FeedbackRevealsAnswerError`
+  at the first feedback that contains the example's final answer
+  (``tasks.feedback_reveals_answer``), naming the record, the response and the
+  feedback. Returns the number of (example, response) pairs checked."""
+  import random
+  from fbos_jax import data as data_lib
+  rng = random.Random(seed)
+  checked = 0
+  for ex in examples:
+    for response in tasks.wrong_responses(ex, rng, responses_per_example):
+      verdict = verifier(ex, response)
+      feedback = getattr(verdict, "feedback", None)
+      if feedback is None and isinstance(verdict, tuple):
+        feedback = verdict[1]
+      checked += 1
+      if tasks.feedback_reveals_answer(str(feedback), ex):
+        raise FeedbackRevealsAnswerError(
+            f"data.feedback_may_reveal_answer=False, but the feedback of task "
+            f"{ex.get('task')!r} contains the final answer "
+            f"{tasks.final_answer(ex)!r}. Example record {data_lib.locate(ex)}: prompt "
+            f"{ex['prompt']!r}, answer {ex['answer']!r}; response {response!r} got feedback "
+            f"{feedback!r}. Turn data.feedback_reveals_answer off, use a task whose feedback "
+            "hides the answer (e.g. data.task=chain), or set "
+            "--config.data.feedback_may_reveal_answer=True to allow it.")
+  return checked
+
+
+def check_config_answer_hidden(config, verifier, *, num_examples: int = 64,
+                               responses_per_example: int = 32) -> Optional[int]:
+  """At start: with ``data.feedback_may_reveal_answer=False``, check the feedback of
+  the config's procedural task (``num_examples`` training problems from
+  ``data.difficulty`` to ``data.max_difficulty``, ``responses_per_example`` wrong
+  responses each) with :func:`check_answer_hidden`. Returns the pairs checked,
+  or None when the flag allows revealing (or the source is not procedural:
+  a warning, its records have no generator of wrong responses)."""
+  dc = config.data
+  if dc.get("feedback_may_reveal_answer", True):
+    return None
+  if dc.source != "procedural":
+    from absl import logging
+    logging.warning("data.feedback_may_reveal_answer=False is checked on procedural tasks "
+                    "only; data.source=%r is not checked", dc.source)
+    return None
+  src = tasks.ProceduralSource(dc.task, seed=dc.generation_seed, difficulty=dc.difficulty,
+                               max_difficulty=dc.max_difficulty or None, split="train")
+  name = "procedural" if dc.verifier == "auto" else dc.verifier  # as fbos_jax/data.py sets it
+  examples = [dict(src[i], verifier=name) for i in range(num_examples)]
+  return check_answer_hidden(verifier, examples, responses_per_example=responses_per_example)

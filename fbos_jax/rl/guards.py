@@ -1,0 +1,46 @@
+"""What stops a run, or marks a step, after the update: a skipped (non-finite)
+optimizer step, and a verifier that failed every call for several steps."""
+
+from __future__ import annotations
+
+from absl import logging
+
+
+class NonFiniteStepError(FloatingPointError):
+  """A non-finite loss or gradient with ``rl.skip_nonfinite=False``."""
+
+
+class VerifierFailingError(RuntimeError):
+  """Every verifier call failed for ``verifier.max_failed_steps`` steps in a row."""
+
+
+class StepGuard:
+  """Reads a step's metrics: :meth:`annotate` (before they are logged) names a
+  skipped step's batch; :meth:`check` (after) stops the run when it must."""
+
+  def __init__(self, skip_nonfinite: bool, max_failed_steps: int):
+    self.skip_nonfinite, self.limit = bool(skip_nonfinite), int(max_failed_steps)
+    self.failed_steps = 0  # consecutive steps whose every verifier call failed
+
+  def annotate(self, m: dict, examples: list, step: int):
+    """Name a skipped (non-finite) optimizer step of ``step`` in the log and ``m``."""
+    if m["policy/finite"] < 1:
+      ids = [str(ex.get("id", "")) for ex in examples]
+      logging.warning("step %d: an optimizer step was skipped (non-finite loss or gradient); "
+                      "batch ids: %s", step, ids)
+      m["skipped_batch_ids"] = ids
+
+  def check(self, m: dict, step: int):
+    """After step ``step`` is logged: raise on a skipped step without
+    ``rl.skip_nonfinite``, and when every verifier call failed in
+    ``verifier.max_failed_steps`` steps in a row (0 = never)."""
+    if m["policy/finite"] < 1 and not self.skip_nonfinite:
+      raise NonFiniteStepError(
+          f"non-finite loss or gradient at step {step} (rl.skip_nonfinite=False)")
+    calls = m.get("verifier/calls", 0)
+    self.failed_steps = self.failed_steps + 1 if calls and m["verifier/errors"] >= calls else 0
+    if self.limit and self.failed_steps >= self.limit:
+      raise VerifierFailingError(
+          f"every verifier call failed in {self.failed_steps} steps in a row (up to step "
+          f"{step}; the error kinds are counted in verifier/<kind> in metrics.jsonl and "
+          f"each was logged once to log.txt); verifier.max_failed_steps={self.limit}")
