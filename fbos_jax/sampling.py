@@ -217,6 +217,15 @@ class SampleOutput:
   def num_rows(self) -> int:
     return int(self.tokens.shape[0])
 
+  @classmethod
+  def empty(cls, max_new_tokens: int) -> "SampleOutput":
+    """No rows (a round with nothing to sample on any process)."""
+    r = int(max_new_tokens)
+    z = lambda *shape, dt=np.int32: np.zeros(shape, dt)
+    return cls(tokens=z(0, r), lengths=z(0), response_mask=z(0, r),
+               logprobs=z(0, r, dt=np.float32), prompt_tokens=z(0, 0), prompt_mask=z(0, 0),
+               stopped=z(0, dt=bool), prompt_truncated=z(0, dt=bool))
+
 
 # ----------------------------------------------------------------------------- host-side input
 
@@ -788,12 +797,7 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
   agreed = _agree_prompts(_as_rows(prompts, prompt_mask), scfg, cfg.vocab_size, mesh,
                           allow_empty)
   if agreed is None:
-    r = int(scfg.max_new_tokens)
-    z = lambda *shape, dt=np.int32: np.zeros(shape, dt)
-    return SampleOutput(tokens=z(0, r), lengths=z(0), response_mask=z(0, r),
-                        logprobs=z(0, r, dt=np.float32), prompt_tokens=z(0, 0),
-                        prompt_mask=z(0, 0), stopped=z(0, dt=bool),
-                        prompt_truncated=z(0, dt=bool))
+    return SampleOutput.empty(scfg.max_new_tokens)
   rows, truncated, plen, offset, max_count, nproc = agreed
   check_stream_ids(stream_ids, len(rows))
   if logit_bias is not None:
@@ -801,40 +805,21 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
     if logit_bias.shape != (len(rows), cfg.vocab_size):
       raise SamplingError(f"logit_bias has shape {logit_bias.shape}; expected "
                           f"[num_prompts, vocab] = {(len(rows), cfg.vocab_size)}.")
-  temperature = np.float32(scfg.temperature if not scfg.is_greedy else 1.0)
-  top_p = np.float32(scfg.top_p)
-  stop_ids = stop_id_array(scfg.stop_token_ids)
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and str(jax.random.key_impl(key)) == "threefry2x32":
     key = jax.random.key_data(key)  # one program serves typed and raw threefry keys
   max_b = max(int(x) for x in scfg.batch_buckets)
-  multi = nproc > 1
   # multi-process: each process's bucket is a multiple of its batch shards
-  local_shards = sh.batch_shard_count(mesh) // nproc if multi else 1
+  local_shards = sh.batch_shard_count(mesh, rules) // nproc if nproc > 1 else 1
+  ids = (offset + np.arange(len(rows)) if stream_ids is None
+         else np.asarray(stream_ids, np.int64))  # each prompt's index in the key contract
   outs = []
   # the same chunks and buckets on every process
   for ci, bb in enumerate(call_buckets(max_count, scfg.batch_buckets, local_shards)):
-    chunk = rows[ci * max_b:(ci + 1) * max_b]
+    part = slice(ci * max_b, (ci + 1) * max_b)
     fn = get_generate_fn(cfg, scfg, batch=bb, prompt_len=plen, n_per_prompt=n, mesh=mesh,
                          rules=rules)
-    toks, mask = buckets.left_pad(chunk, plen, scfg.pad_id, rows=bb)
-    ids = np.full((bb,), -1, np.int32)  # global prompt index (-1: dummy row)
-    ids[:len(chunk)] = (offset + ci * max_b + np.arange(len(chunk)) if stream_ids is None
-                        else np.asarray(stream_ids, np.int64)[ci * max_b:ci * max_b + len(chunk)])
-    put = (lambda x: sh.put_process_local(x, mesh)) if mesh is not None else jnp.asarray
-    d_toks = put(toks)
-    start = sh.local_row_start(d_toks) * n  # this process's first output row
-    # under the mesh, attention picks its kernel from the mesh's devices (Pallas on TPU)
-    mesh_ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-    extra = ()
-    if logit_bias is not None:
-      bias = np.zeros((bb, cfg.vocab_size), np.float32)
-      bias[:len(chunk)] = logit_bias[ci * max_b:ci * max_b + len(chunk)]
-      extra = (put(bias),)
-    with warnings.catch_warnings(), mesh_ctx:  # donated prompts alias outputs only when n == 1
-      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      res = fn(params, d_toks, put(mask), key, temperature, top_p, stop_ids, put(ids), *extra)
-    keep = len(chunk) * n  # dummy prompts are the last rows
-    outs.append({k: sh.host_rows(v, (start, start + keep)) for k, v in res.items()})
+    outs.append(_call(fn, params, scfg, rows[part], ids[part], bb, plen, n, key, mesh, rules,
+                      None if logit_bias is None else logit_bias[part]))
   cat = {k: np.concatenate([o[k] for o in outs], axis=0) for k in outs[0]}
   return SampleOutput(
       tokens=cat["tokens"].astype(np.int32), lengths=cat["lengths"].astype(np.int32),
@@ -843,6 +828,32 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
       prompt_tokens=cat["prompt_tokens"].astype(np.int32),
       prompt_mask=cat["prompt_mask"].astype(np.int32), stopped=cat["stopped"].astype(bool),
       prompt_truncated=np.repeat(truncated, n))
+
+
+def _call(fn, params, scfg: SamplingConfig, chunk: list, ids, bb: int, plen: int, n: int, key,
+          mesh, rules, logit_bias=None) -> dict:
+  """One program call on ``chunk`` (this process's prompts, padded to ``bb``
+  with dummy rows); this process's output rows as numpy."""
+  temperature = np.float32(scfg.temperature if not scfg.is_greedy else 1.0)
+  toks, mask = buckets.left_pad(chunk, plen, scfg.pad_id, rows=bb)
+  row_ids = np.full((bb,), -1, np.int32)  # global prompt index (-1: dummy row)
+  row_ids[:len(chunk)] = ids
+  put = (lambda x: sh.put_process_local(x, mesh, rules)) if mesh is not None else jnp.asarray
+  d_toks = put(toks)
+  start = sh.local_row_start(d_toks) * n  # this process's first output row
+  extra = ()
+  if logit_bias is not None:
+    bias = np.zeros((bb, logit_bias.shape[1]), np.float32)
+    bias[:len(chunk)] = logit_bias
+    extra = (put(bias),)
+  # under the mesh, attention picks its kernel from the mesh's devices (Pallas on TPU)
+  mesh_ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+  with warnings.catch_warnings(), mesh_ctx:  # donated prompts alias outputs only when n == 1
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    res = fn(params, d_toks, put(mask), key, temperature, np.float32(scfg.top_p),
+             stop_id_array(scfg.stop_token_ids), put(row_ids), *extra)
+  keep = len(chunk) * n  # dummy prompts are the last rows
+  return {k: sh.host_rows(v, (start, start + keep)) for k, v in res.items()}
 
 
 # ----------------------------------------------------------------------------- reference

@@ -567,11 +567,7 @@ class Engine:
                                      self.cfg.vocab_size, self.mesh, allow_empty)
     r_len = self.R
     if agreed is None:
-      z = lambda *shape, dt=np.int32: np.zeros(shape, dt)
-      return sampling.SampleOutput(tokens=z(0, r_len), lengths=z(0), response_mask=z(0, r_len),
-                                   logprobs=z(0, r_len, dt=np.float32), prompt_tokens=z(0, 0),
-                                   prompt_mask=z(0, 0), stopped=z(0, dt=bool),
-                                   prompt_truncated=z(0, dt=bool))
+      return sampling.SampleOutput.empty(r_len)
     rows, truncated, plen, offset, _, _ = agreed
     sampling.check_stream_ids(stream_ids, len(rows))
     if plen > self.max_prompt:
