@@ -386,78 +386,80 @@ def _prefill(params, pool, tokens, start, n_valid, page_table, tail, copies, *, 
   return _con_pool(pool, cfg, st, mesh, rules)
 
 
-def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, s_last, s_pos,
-            s_step, s_limit, s_keys, s_sids, s_table, s_count, temperature, top_p, stop_ids,
-            min_idle, shrink_to, logit_bias=None, s_logit_bias=None, *, cfg, st: Static, mesh,
-            rules):
-  """See the module docstring. Slots [B] = [Sh * r]; staged rows [Q] = [Sh * q] with
-  s_count [Sh] valid per shard. Returns (pool, tokens [B, W], logprobs [B, W],
-  sources [B, W], final source [B], staged rows consumed [Sh], steps run); a source
-  is the row that made a slot's token: b for the row in slot b at the start, B + k
-  for staged row k, -1 for an idle slot."""
-  b = last.shape[0]
-  nq = s_last.shape[0]
-  shards = st.shards
-  r, q = b // shards, nq // shards
-  m = min(r, q, st.swaps)  # staged rows a shard can take per step
-  w = st.window
-  con = _constrainer(mesh, rules)
-  run_params = _prep_params(params, cfg, st, mesh, rules)
-  logits_of = _logits_fn(run_params, cfg, st.vocab_limit)
-  pad = jnp.int32(st.pad_id)
-  row = ("batch",)
+_LAST, _POS, _STEP, _LIMIT = 0, 1, 2, 3  # columns of a row's packed int state
 
-  # row state of the slots and of the staged rows (same fields); the small ones packed
-  # in one int32 array so that a swap is one gather
+
+def _u32(x):
+  return jax.lax.bitcast_convert_type(x, jnp.uint32)
+
+
+def _pack(last, pos, step, limit, keys, sids):
+  """A row state's small fields in one int32 array [N, 7] (a swap is one gather)."""
   bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.uint32), jnp.int32)
-  pack = lambda *xs: jnp.stack([xs[0], xs[1], xs[2], xs[3], bits(xs[4][:, 0]),
-                                bits(xs[4][:, 1]), bits(xs[5])], axis=1)
-  rs = dict(ints=pack(last, pos, step, limit, keys, sids), table=page_table)
-  ss = dict(ints=pack(s_last, s_pos, s_step, s_limit, s_keys, s_sids), table=s_table)
-  LAST, POS, STEP, LIMIT = 0, 1, 2, 3
-  u32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)
-  field = lambda rs, i: rs["ints"][:, i]
-  if logit_bias is not None:
-    rs["bias"] = con(logit_bias.astype(jnp.float32), ("batch", None))
-    ss["bias"] = con(s_logit_bias.astype(jnp.float32), ("batch", None))
+  return jnp.stack([last, pos, step, limit, bits(keys[:, 0]), bits(keys[:, 1]), bits(sids)],
+                   axis=1)
 
-  def is_stop(tok):
-    if not st.num_stop_slots:
+
+class _Win:
+  """The constants of one decode window (closure state of its loop), and the
+  loop's pieces: :meth:`swap` (idle slots take staged rows), :meth:`body` (one
+  decode step) and :meth:`cond` (run on, or return early for a refill)."""
+
+  def __init__(self, params, pool, page_table, s_table, ss: dict, s_count, temperature, top_p,
+               stop_ids, min_idle, shrink_to, b: int, *, cfg, st: Static, mesh, rules):
+    self.cfg, self.st, self.b, self.ss, self.s_count = cfg, st, b, ss, s_count
+    self.temperature, self.top_p, self.stop_ids = temperature, top_p, stop_ids
+    self.min_idle, self.shrink_to = min_idle, shrink_to
+    self.shards = st.shards
+    self.r, self.q = b // st.shards, s_table.shape[0] // st.shards
+    self.m = min(self.r, self.q, st.swaps)  # staged rows a shard can take per step
+    self.con = _constrainer(mesh, rules)
+    run_params = _prep_params(params, cfg, st, mesh, rules)
+    self.logits_of = _logits_fn(run_params, cfg, st.vocab_limit)
+    self.pad = jnp.int32(st.pad_id)
+    self.dense = st.impl == "xla"  # XLA: one gather per window into a dense per-row cache
+    self.mesh, self.rules = mesh, rules
+    if self.dense:
+      self.cache = _gather_dense(cfg, st, mesh, rules, pool, page_table)
+      self.stage_w = min(s_table.shape[1], -(-st.stage_len // st.page_size))  # its pages
+      self.staged_cache = (_gather_dense(cfg, st, mesh, rules, pool, s_table[:, :self.stage_w])
+                           if self.m else None)
+      kax = ("batch", "kv_heads", "head_dim", "cache_seq")
+      vax = ("batch", "kv_heads", "cache_seq", "head_dim")
+      self.con_cache = lambda c: (tuple(self.con(x, kax) for x in c[0]),
+                                  tuple(self.con(x, vax) for x in c[1]))
+      run_params = qwen.split_layers(run_params)  # the dense cache is a per-layer tuple
+    else:
+      self.cache = pool
+      self.con_cache = lambda c: _con_pool(c, cfg, st, mesh, rules)
+    self.run_params = run_params
+    self.idle0 = None  # padding slots idle from the start (set by _window)
+
+  def is_stop(self, tok):
+    if not self.st.num_stop_slots:
       return jnp.zeros(tok.shape, bool)
-    return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+    return jnp.any(tok[:, None] == self.stop_ids[None, :], axis=-1)
 
-  def draw(logits, rs):
+  def draw(self, logits, rs):
+    st = self.st
     logits = sampling.add_logit_bias(logits, rs.get("bias"))
     u = None
     if not st.greedy:
-      keys = u32(rs["ints"][:, 4:6])
+      keys = _u32(rs["ints"][:, 4:6])
       u = jax.vmap(lambda k, t, s: jax.random.uniform(
           jax.random.fold_in(jax.random.fold_in(k, t), s), (), jnp.float32))(
-              keys, field(rs, STEP), u32(field(rs, 6)))
-    return sampling._choose(logits, None, temperature, top_p, greedy=st.greedy, top_k=st.top_k,
-                            use_top_p=st.use_top_p, u=u)
+              keys, rs["ints"][:, _STEP], _u32(rs["ints"][:, 6]))
+    return sampling._choose(logits, None, self.temperature, self.top_p, greedy=st.greedy,
+                            top_k=st.top_k, use_top_p=st.use_top_p, u=u)
 
-  dense = st.impl == "xla"  # XLA: one gather per window into a dense per-row cache
-  if dense:
-    cache = _gather_dense(cfg, st, mesh, rules, pool, page_table)
-    stage_w = min(s_table.shape[1], -(-st.stage_len // st.page_size))  # a staged row's pages
-    staged_cache = (_gather_dense(cfg, st, mesh, rules, pool, s_table[:, :stage_w]) if m
-                    else None)
-    kax = ("batch", "kv_heads", "head_dim", "cache_seq")
-    vax = ("batch", "kv_heads", "cache_seq", "head_dim")
-    con_cache = lambda c: (tuple(con(x, kax) for x in c[0]), tuple(con(x, vax) for x in c[1]))
-    run_params = qwen.split_layers(run_params)  # the dense cache is a per-layer tuple
-  else:
-    cache = pool
-    con_cache = lambda c: _con_pool(c, cfg, st, mesh, rules)
-
-  def swap(rs, done, src, wb, nxt, cache):
+  def swap(self, rs, done, src, wb, nxt, cache):
     """Idle slots take the next staged rows of their shard (at most m per shard)."""
+    shards, r, q, m, st = self.shards, self.r, self.q, self.m, self.st
     if not m:
       return rs, done, src, wb, nxt, cache
     idle = done.reshape(shards, r)
     rank = jnp.cumsum(idle.astype(jnp.int32), axis=1) - 1
-    take = idle & (rank < m) & (rank < (s_count - nxt)[:, None])  # [Sh, r]
+    take = idle & (rank < m) & (rank < (self.s_count - nxt)[:, None])  # [Sh, r]
     qi = jnp.clip(nxt[:, None] + rank, 0, q - 1)  # the staged row each slot takes
 
     def pick(cur, stg):
@@ -467,78 +469,103 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
       t = take.reshape(take.shape + (1,) * (c.ndim - 2))
       return jnp.where(t, jnp.take_along_axis(g, idx, axis=1), c).reshape(cur.shape)
 
-    rs = {k: pick(v, ss[k]) for k, v in rs.items()}
+    rs = {k: pick(v, self.ss[k]) for k, v in rs.items()}
     flat = take.reshape(-1)
     gid = (jnp.arange(shards, dtype=jnp.int32)[:, None] * q + qi).reshape(-1)
-    src = jnp.where(flat, b + gid, src)
-    wb = jnp.where(flat, field(rs, POS), wb)
+    src = jnp.where(flat, self.b + gid, src)
+    wb = jnp.where(flat, rs["ints"][:, _POS], wb)
     done = done & jnp.logical_not(flat)
-    if dense:  # the taken rows' caches into their slots: m row copies per shard (under a
-      # lax.cond XLA would copy the whole cache in both branches: cheaper to always copy)
+    if self.dense:  # the taken rows' caches into their slots: m row copies per shard (under
+      # a lax.cond XLA would copy the whole cache in both branches: cheaper to always copy)
       slot_m = jnp.stack([jnp.where(jnp.any(take & (rank == j), axis=1),
                                     jnp.argmax(take & (rank == j), axis=1), r)
                           for j in range(m)], axis=1).astype(jnp.int32)  # [Sh, m]; r = none
       q_m = jnp.clip(nxt[:, None] + jnp.arange(m, dtype=jnp.int32)[None, :], 0, q - 1)
-      length = stage_w * st.page_size
-      cache = _swap_dense(cfg, st, mesh, rules, cache, staged_cache, slot_m, q_m, length)
+      cache = _swap_dense(self.cfg, st, self.mesh, self.rules, cache, self.staged_cache, slot_m,
+                          q_m, self.stage_w * st.page_size)
     nxt = nxt + jnp.sum(take.astype(jnp.int32), axis=1)
     return rs, done, src, wb, nxt, cache
 
-  def body(c):
+  def body(self, c):
+    """One decode step of every live slot, then the swaps."""
     i, rs, done, src, wb, nxt, n_idle, cache, toks, lps, srcs = c
+    cfg, st, con, row = self.cfg, self.st, self.con, ("batch",)
     alive = jnp.logical_not(done)
-    pos = field(rs, POS)
+    pos = rs["ints"][:, _POS]
     positions = pos[:, None]
-    if dense:
+    if self.dense:
       attend = _make_attend_dense(cfg, pos, alive)
     else:
       wpage, wslot = PA.write_targets(rs["table"], positions, alive[:, None], st.page_size)
-      attend = _make_attend(cfg, st, mesh, rules, rs["table"], wpage, wslot, positions)
-    hidden, cache = qwen.paged_forward(run_params, field(rs, LAST)[:, None], positions, cfg,
-                                       cache, attend)
-    tok, lp = draw(logits_of(hidden[:, 0]), rs)
-    tok = jnp.where(alive, tok, pad)
+      attend = _make_attend(cfg, st, self.mesh, self.rules, rs["table"], wpage, wslot, positions)
+    hidden, cache = qwen.paged_forward(self.run_params, rs["ints"][:, _LAST][:, None], positions,
+                                       cfg, cache, attend)
+    tok, lp = self.draw(self.logits_of(hidden[:, 0]), rs)
+    tok = jnp.where(alive, tok, self.pad)
     lp = jnp.where(alive, lp, 0.0)
     toks = jax.lax.dynamic_update_slice(toks, tok[:, None], (0, i))
     lps = jax.lax.dynamic_update_slice(lps, lp[:, None], (0, i))
     srcs = jax.lax.dynamic_update_slice(srcs, jnp.where(alive, src, -1)[:, None], (0, i))
     inc = alive.astype(jnp.int32)
-    new = jnp.stack([jnp.where(alive, tok, field(rs, LAST)), pos + inc, field(rs, STEP) + inc],
-                    axis=1)
+    new = jnp.stack([jnp.where(alive, tok, rs["ints"][:, _LAST]), pos + inc,
+                     rs["ints"][:, _STEP] + inc], axis=1)
     rs = dict(rs, ints=jnp.concatenate([new, rs["ints"][:, 3:]], axis=1))
-    done = done | (alive & (is_stop(tok) | (field(rs, STEP) >= field(rs, LIMIT))))
+    done = done | (alive & (self.is_stop(tok) | (rs["ints"][:, _STEP] >= rs["ints"][:, _LIMIT])))
     src = jnp.where(done, -1, src)
-    rs, done, src, wb, nxt, cache = swap(rs, done, src, wb, nxt, cache)
+    rs, done, src, wb, nxt, cache = self.swap(rs, done, src, wb, nxt, cache)
     rs = {k: con(v, row + (None,) * (v.ndim - 1)) for k, v in rs.items()}
     return (i + 1, rs, con(done, row), con(src, row), con(wb, row), nxt, n_idle,
-            con_cache(cache), con(toks, ("batch", None)), con(lps, ("batch", None)),
+            self.con_cache(cache), con(toks, ("batch", None)), con(lps, ("batch", None)),
             con(srcs, ("batch", None)))
 
-  def cond(c):
+  def cond(self, c):
+    """Run on while a row is alive, up to the window, unless a refill (or a shrink
+    to a smaller row bucket) pays; at least one step always runs."""
     i, done, nxt = c[0], c[2], c[5]
-    alive = jnp.logical_not(done).astype(jnp.int32).reshape(shards, -1)
-    left = s_count - nxt  # staged rows not taken yet, per shard
+    alive = jnp.logical_not(done).astype(jnp.int32).reshape(self.shards, -1)
+    left = self.s_count - nxt  # staged rows not taken yet, per shard
     # slots that stopped inside this window (not the idle padding slots) with no staged
-    # row left for them; at least one step always runs
-    stopped = (done & jnp.logical_not(idle0)).astype(jnp.int32).reshape(shards, -1)
+    # row left for them
+    stopped = (done & jnp.logical_not(self.idle0)).astype(jnp.int32).reshape(self.shards, -1)
     unfillable = jnp.sum(jnp.maximum(jnp.sum(stopped, axis=1) - left, 0))
-    shrink = (jnp.sum(left) == 0) & (jnp.max(jnp.sum(alive, axis=1)) <= shrink_to)
-    early = (unfillable >= min_idle) | shrink
-    return (i < w) & (jnp.sum(alive) > 0) & ((i == 0) | jnp.logical_not(early))
+    shrink = (jnp.sum(left) == 0) & (jnp.max(jnp.sum(alive, axis=1)) <= self.shrink_to)
+    early = (unfillable >= self.min_idle) | shrink
+    return (i < self.st.window) & (jnp.sum(alive) > 0) & ((i == 0) | jnp.logical_not(early))
 
+
+def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, s_last, s_pos,
+            s_step, s_limit, s_keys, s_sids, s_table, s_count, temperature, top_p, stop_ids,
+            min_idle, shrink_to, logit_bias=None, s_logit_bias=None, *, cfg, st: Static, mesh,
+            rules):
+  """See the module docstring. Slots [B] = [Sh * r]; staged rows [Q] = [Sh * q] with
+  s_count [Sh] valid per shard. Returns (pool, tokens [B, W], logprobs [B, W],
+  sources [B, W], final source [B], staged rows consumed [Sh], steps run); a source
+  is the row that made a slot's token: b for the row in slot b at the start, B + k
+  for staged row k, -1 for an idle slot."""
+  b, w = last.shape[0], st.window
+  con = _constrainer(mesh, rules)
+  rs = dict(ints=_pack(last, pos, step, limit, keys, sids), table=page_table)
+  ss = dict(ints=_pack(s_last, s_pos, s_step, s_limit, s_keys, s_sids), table=s_table)
+  if logit_bias is not None:
+    rs["bias"] = con(logit_bias.astype(jnp.float32), ("batch", None))
+    ss["bias"] = con(s_logit_bias.astype(jnp.float32), ("batch", None))
+  win = _Win(params, pool, page_table, s_table, ss, s_count, temperature, top_p, stop_ids,
+             min_idle, shrink_to, b, cfg=cfg, st=st, mesh=mesh, rules=rules)
   done = jnp.logical_not(live.astype(bool))
   src = jnp.where(done, -1, jnp.arange(b, dtype=jnp.int32))
-  wb = pos
-  nxt = jnp.zeros((shards,), jnp.int32)
-  rs, done, src, wb, nxt, cache = swap(rs, done, src, wb, nxt, cache)  # idle slots at the start
-  idle0 = done  # padding slots idle from the start
-  toks = con(jnp.full((b, w), pad, jnp.int32), ("batch", None))
+  nxt = jnp.zeros((st.shards,), jnp.int32)
+  # idle slots take staged rows at the start
+  rs, done, src, wb, nxt, cache = win.swap(rs, done, src, pos, nxt, win.cache)
+  win.idle0 = done  # padding slots idle from the start
+  toks = con(jnp.full((b, w), win.pad, jnp.int32), ("batch", None))
   lps = con(jnp.zeros((b, w), jnp.float32), ("batch", None))
   srcs = con(jnp.full((b, w), -1, jnp.int32), ("batch", None))
-  carry = (jnp.int32(0), rs, done, src, wb, nxt, jnp.int32(0), con_cache(cache), toks, lps, srcs)
-  i, rs, done, src, wb, nxt, _, cache, toks, lps, srcs = jax.lax.while_loop(cond, body, carry)
-  if dense:  # the live rows' new tokens back into their pages
-    count = jnp.where(done, 0, field(rs, POS) - wb)
+  carry = (jnp.int32(0), rs, done, src, wb, nxt, jnp.int32(0), win.con_cache(cache), toks, lps,
+           srcs)
+  i, rs, done, src, wb, nxt, _, cache, toks, lps, srcs = jax.lax.while_loop(win.cond, win.body,
+                                                                           carry)
+  if win.dense:  # the live rows' new tokens back into their pages
+    count = jnp.where(done, 0, rs["ints"][:, _POS] - wb)
     pool = _write_back(cfg, st, mesh, rules, pool, cache, rs["table"], wb, count)
   else:
     pool = cache
