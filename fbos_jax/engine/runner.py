@@ -437,14 +437,46 @@ class Engine:
       pool = self._prefill(new_params, pool, pieces, stats)
     return new_params, new_version, pool
 
-  def _run_window(self, params, pool, rows, g, stats, on_row, version=-1):
-    """One window over each shard's first ``sps`` rows (the slots), the rest of its
-    rows staged; then the rows' new tokens, finished rows to the callback. Every
-    token is labelled ``version`` (the version of ``params``)."""
-    rb = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
-    qb = self.qs if g[:, 1].max() > 0 else 0
-    pb = _bucket(g[:, 2].max(), self.page_buckets, "page-table width", "engine.page_buckets")
-    n, nq = self.local_shards * rb, self.local_shards * qb
+  def _window_arrays(self, m: int, pb: int) -> dict:
+    """Host arrays for ``m`` rows of a window (slots or staged), page tables ``pb`` wide."""
+    return dict(last=np.full((m,), self.scfg.pad_id, np.int32), pos=np.zeros((m,), np.int32),
+                step=np.zeros((m,), np.int32), limit=np.ones((m,), np.int32),
+                keys=np.zeros((m, 2), np.uint32), sids=np.zeros((m,), np.uint32),
+                table=np.full((m, pb), _NULL, np.int32),
+                bias=np.zeros((m, self.cfg.vocab_size), np.float32) if self.st.bias else None)
+
+  @staticmethod
+  def _fill(a: dict, k: int, r: _Row):
+    """Row ``r``'s state into slot ``k`` of the arrays ``a``."""
+    a["last"][k], a["pos"][k], a["step"][k], a["limit"][k] = r.last, r.pos, r.step, r.limit
+    a["keys"][k], a["sids"][k] = r.key, r.sid
+    a["table"][k, :len(r.pages)] = r.pages
+    if a["bias"] is not None:
+      a["bias"][k] = r.bias
+
+  def _window_inputs(self, rows, rb: int, qb: int, pb: int):
+    """Each shard's first ``sps`` rows into slots (``rb`` per shard), the next ``qb``
+    staged: (slot arrays, staged arrays, live [n], staged count [shards],
+    slot index -> row, staged index -> row)."""
+    sa, qa = self._window_arrays(self.local_shards * rb, pb), self._window_arrays(
+        self.local_shards * qb, pb)
+    live = np.zeros((self.local_shards * rb,), bool)
+    count = np.zeros((self.local_shards,), np.int32)
+    slot_rows, staged_rows = {}, {}
+    for s, rr in enumerate(rows):
+      for i, r in enumerate(rr[:self.sps]):
+        self._fill(sa, s * rb + i, r)
+        live[s * rb + i] = True
+        slot_rows[s * rb + i] = r
+      for i, r in enumerate(rr[self.sps:self.sps + qb]):
+        self._fill(qa, s * qb + i, r)
+        staged_rows[s * qb + i] = r
+      count[s] = min(max(len(rr) - self.sps, 0), qb)
+    return sa, qa, live, count, slot_rows, staged_rows
+
+  def _window_knobs(self, g, rb: int):
+    """(min idle slots before a refill, row bucket to shrink to or -1) from the agreed
+    per-shard counts ``g``."""
     b_global = self.shards * rb
     waiting_any = bool(g[:, 3].any())
     live_global = int(g[:, 5].sum())
@@ -452,35 +484,18 @@ class Engine:
                 if waiting_any else b_global + 1)
     smaller = [x for x in self.row_buckets if x < rb]
     shrink_to = max(smaller) if (self.ecfg.shrink and not waiting_any and smaller) else -1
-    v = self.cfg.vocab_size
+    return min_idle, shrink_to
 
-    def arrays(m):
-      return dict(last=np.full((m,), self.scfg.pad_id, np.int32), pos=np.zeros((m,), np.int32),
-                  step=np.zeros((m,), np.int32), limit=np.ones((m,), np.int32),
-                  keys=np.zeros((m, 2), np.uint32), sids=np.zeros((m,), np.uint32),
-                  table=np.full((m, pb), _NULL, np.int32),
-                  bias=np.zeros((m, v), np.float32) if self.st.bias else None)
-
-    def fill(a, k, r):
-      a["last"][k], a["pos"][k], a["step"][k], a["limit"][k] = r.last, r.pos, r.step, r.limit
-      a["keys"][k], a["sids"][k] = r.key, r.sid
-      a["table"][k, :len(r.pages)] = r.pages
-      if a["bias"] is not None:
-        a["bias"][k] = r.bias
-
-    sa, qa = arrays(n), arrays(nq)
-    live = np.zeros((n,), bool)
-    count = np.zeros((self.local_shards,), np.int32)
-    slot_rows, staged_rows = {}, {}
-    for s, rr in enumerate(rows):
-      for i, r in enumerate(rr[:self.sps]):
-        fill(sa, s * rb + i, r)
-        live[s * rb + i] = True
-        slot_rows[s * rb + i] = r
-      for i, r in enumerate(rr[self.sps:self.sps + qb]):
-        fill(qa, s * qb + i, r)
-        staged_rows[s * qb + i] = r
-      count[s] = min(max(len(rr) - self.sps, 0), qb)
+  def _run_window(self, params, pool, rows, g, stats, on_row, version=-1):
+    """One window over each shard's first ``sps`` rows (the slots), the rest of its
+    rows staged; then the rows' new tokens, finished rows to the callback. Every
+    token is labelled ``version`` (the version of ``params``)."""
+    rb = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
+    qb = self.qs if g[:, 1].max() > 0 else 0
+    pb = _bucket(g[:, 2].max(), self.page_buckets, "page-table width", "engine.page_buckets")
+    n = self.local_shards * rb
+    min_idle, shrink_to = self._window_knobs(g, rb)
+    sa, qa, live, count, slot_rows, staged_rows = self._window_inputs(rows, rb, qb, pb)
     put = self._put
     args = [params, pool] + [put(sa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids")]
     args += [put(live), put(sa["table"])]
@@ -503,15 +518,32 @@ class Engine:
     stats.slot_steps += n * steps
     window = self._windows  # this run's window index
     self._windows += 1
-    q_off = first_shard * qb
+    b_global, q_off = self.shards * rb, first_shard * qb
 
     def row_of(gid):
       if gid < b_global:
         return slot_rows[gid - row_off]
       return staged_rows[gid - b_global - q_off]
 
+    touched = self._scatter_tokens(toks, lps, srcs, steps, row_of, window, version, stats)
+    finished = [r for r in touched
+                if r.step >= r.limit or (r.tokens and r.tokens[-1] in self.stop_ids)]
+    gone = set(map(id, finished))
+    for s in range(len(rows)):
+      in_slots = [row_of(int(x)) for x in final[s * rb:(s + 1) * rb] if x >= 0]
+      untaken = [staged_rows[s * qb + i] for i in range(int(nxt[s]), int(count[s]))]
+      rest = rows[s][self.sps + qb:]  # admitted beyond this window's staging (not sent)
+      rows[s] = [r for r in in_slots + untaken + rest if id(r) not in gone]
+    self._retire(finished, window, stats, on_row)
+    return pool
+
+  @staticmethod
+  def _scatter_tokens(toks, lps, srcs, steps: int, row_of, window: int, version: int,
+                      stats: EngineStats) -> list:
+    """A window's tokens ``[slots, steps]`` to their rows: ``srcs`` names, per slot
+    and step, the row (global id; -1 idle) whose token it is. Returns the rows touched."""
     touched = []
-    for k in range(n):
+    for k in range(toks.shape[0]):
       ids = srcs[k, :steps]
       i = 0
       while i < steps:
@@ -532,15 +564,11 @@ class Engine:
           stats.tokens += j - i
           touched.append(r)
         i = j
-    finished = [r for r in touched
-                if r.step >= r.limit or (r.tokens and r.tokens[-1] in self.stop_ids)]
-    gone = set(map(id, finished))
-    for s in range(len(rows)):
-      in_slots = [row_of(int(x)) for x in final[s * rb:(s + 1) * rb] if x >= 0]
-      untaken = [staged_rows[s * qb + i] for i in range(int(nxt[s]), int(count[s]))]
-      rest = rows[s][self.sps + qb:]  # admitted beyond this window's staging (not sent)
-      rows[s] = [r for r in in_slots + untaken + rest if id(r) not in gone]
-    for r in finished:  # every page back before any callback (which may raise)
+    return touched
+
+  def _retire(self, finished: list, window: int, stats: EngineStats, on_row: RowCallback):
+    """Finished rows: every page back first (a callback may raise), then each to ``on_row``."""
+    for r in finished:
       self.pages.release(r.shard, r.pages)
       r.pages = []
       stats.rows += 1
@@ -550,7 +578,6 @@ class Engine:
                          stopped=bool(r.tokens) and r.tokens[-1] in self.stop_ids,
                          first_window=r.first_window, last_window=window,
                          versions=np.asarray(r.versions, np.int64)))
-    return pool
 
   # ------------------------------------------------------------------------- sample
 

@@ -282,10 +282,10 @@ def probe_metrics(ctx, params, examples: list, key, *, seed: int = 0) -> dict:
           summarize(pool([probe_batch(ctx, params, examples, key, seed=seed)])).items()}
 
 
-def run_probe(ctx, params, next_batch, batches: int, *, key=None) -> dict:
+def run_probe(ctx, params, next_batch, batches: int, *, key) -> dict:
   """The probe over ``batches`` batches from ``next_batch()``, pooled:
-  :func:`summarize` of the pooled sums, plus ``sums`` (the pooled sums)."""
-  key = jax.random.key(2024) if key is None else key
+  :func:`summarize` of the pooled sums, plus ``sums`` (the pooled sums). ``key``:
+  the caller's stream (a run's ``stream_key(rng, "eval", ...)``)."""
   sums = [probe_batch(ctx, params, next_batch(), jax.random.fold_in(key, b), seed=b)
           for b in range(batches)]
   pooled = pool(sums)
