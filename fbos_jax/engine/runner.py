@@ -275,8 +275,11 @@ class Engine:
     return admitted
 
   def _prefill(self, params, pool, pieces: list, stats: EngineStats):
-    """Every chunk of the admitted prompts (collective: agreed shapes per round)."""
+    """Every chunk of the admitted prompts (collective: agreed shapes per round).
+    A round prefills at most the largest row bucket of prompts per shard per call
+    (a shard admits up to slots + staged prompts of one sample each)."""
     ps = self.st.page_size
+    cap = max(self.row_buckets)
     rounds_local = max((-(-p.tokens.size // self.chunk) for p in pieces), default=0)
     rounds = int(self._agree(rounds_local)[:, 0].max())
     for _ in range(rounds):
@@ -286,37 +289,44 @@ class Engine:
       pages = max((-(-min(p.tokens.size, p.done + self.chunk) // ps) for p in todo), default=1)
       ncopy = max((len(p.copies) for p in todo), default=0)
       g = self._agree(max(map(len, per_shard)), clen, pages, ncopy).max(0)
-      bp = _bucket(g[0], self.row_buckets, "prefill rows", "engine.row_buckets")
       c = _bucket(g[1], self.prefill_buckets, "prefill chunk", "engine.prefill_buckets")
       pb = _bucket(g[2], self.page_buckets, "page-table width", "engine.page_buckets")
-      nc = _bucket(g[3], pow2_buckets(self.sps), "page copies", "") if g[3] else 0
-      n = self.local_shards * bp
-      tok = np.full((n, c), self.scfg.pad_id, np.int32)
-      start = np.zeros((n,), np.int32)
-      nvalid = np.zeros((n,), np.int32)
-      table = np.full((n, pb), _NULL, np.int32)
-      tail = np.full((n,), -1, np.int32)
-      copies = np.full((n, nc), _NULL, np.int32)
-      for s, ps_list in enumerate(per_shard):
-        for i, p in enumerate(ps_list):
-          r = s * bp + i
-          k = min(self.chunk, p.tokens.size - p.done)
-          tok[r, :k] = p.tokens[p.done:p.done + k]
-          start[r], nvalid[r] = p.done, k
-          used = p.pages[:pb]
-          table[r, :len(used)] = used
-          if p.copies:
-            tail[r] = len(p.pages) - 1
-            copies[r, :len(p.copies)] = p.copies
-      with self._mesh_ctx():
-        pool = self._fn("prefill")(params, pool, self._put(tok), self._put(start),
-                                   self._put(nvalid), self._put(table), self._put(tail),
-                                   self._put(copies))
+      nc = _bucket(g[3], pow2_buckets(self.sps + self.qs), "page copies", "") if g[3] else 0
+      for k in range(max(1, -(-int(g[0]) // cap))):
+        bp = _bucket(min(int(g[0]) - k * cap, cap), self.row_buckets, "prefill rows",
+                     "engine.row_buckets")
+        part = [p_s[k * cap:(k + 1) * cap] for p_s in per_shard]
+        pool = self._prefill_call(params, pool, part, bp, c, pb, nc)
+        stats.prefills += 1
       for p in todo:
         p.done = min(p.tokens.size, p.done + self.chunk)
-      stats.prefills += 1
     pieces.clear()
     return pool
+
+  def _prefill_call(self, params, pool, per_shard: list, bp: int, c: int, pb: int, nc: int):
+    """One prefill call: the next chunk of each shard's pieces (at most ``bp``)."""
+    n = self.local_shards * bp
+    tok = np.full((n, c), self.scfg.pad_id, np.int32)
+    start = np.zeros((n,), np.int32)
+    nvalid = np.zeros((n,), np.int32)
+    table = np.full((n, pb), _NULL, np.int32)
+    tail = np.full((n,), -1, np.int32)
+    copies = np.full((n, nc), _NULL, np.int32)
+    for s, ps_list in enumerate(per_shard):
+      for i, p in enumerate(ps_list):
+        r = s * bp + i
+        k = min(self.chunk, p.tokens.size - p.done)
+        tok[r, :k] = p.tokens[p.done:p.done + k]
+        start[r], nvalid[r] = p.done, k
+        used = p.pages[:pb]
+        table[r, :len(used)] = used
+        if p.copies:
+          tail[r] = len(p.pages) - 1
+          copies[r, :len(p.copies)] = p.copies
+    with self._mesh_ctx():
+      return self._fn("prefill")(params, pool, self._put(tok), self._put(start),
+                                 self._put(nvalid), self._put(table), self._put(tail),
+                                 self._put(copies))
 
   def _mesh_ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
