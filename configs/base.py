@@ -174,6 +174,10 @@ VARIANTS = {
             # 16 prompts per sampler call: round 1 (x 8 samples, 2,560 cache slots) at
             # 32 prompts or more needs more than a v5e's HBM (--dry_run --topology=v5e:2x4)
             "sampling.batch_buckets": (4, 8, 16),
+            # the continuous engine at its default knobs (64 slots + 64 staged): its largest
+            # program, round 2's prefill into a 7.47 GiB page pool, peaks at 8.27 GiB (52%)
+            # (--dry_run --topology=v5e:2x4)
+            "sampling.engine": "continuous",
         })),
     # Qwen/Qwen3-8B (untied embeddings, 8,190,735,360 parameters) on a v5p pod
     # slice: FSDP over the slice, 4-way tensor parallel inside a host.
@@ -181,6 +185,11 @@ VARIANTS = {
         model=_QWEN3_8B, mesh=dict(dcn=1, data=1, fsdp=-1, tensor=4),
         run=dict(_LARGE_RUN, **{
             "rl.micro_batches": 2,  # the fewest that fit on v5p:2x4x4: 75.2 GiB (1: does not compile; --fit_micro_batches)
+            # the engine with a slot for every row of a round (P*n = P*m = 512), so nothing
+            # is staged; round 2's prefill (10.1 GiB pool) peaks at 15.1 GiB (16%)
+            # (--dry_run --topology=v5p:2x4x4; roofline: step >= 25.1 s vs 27.9 s static)
+            "sampling.engine": "continuous",
+            "engine.slots": 512, "engine.staged": 0,
             # round 2 samples P*m = 512 FAP rows; all at once they need more than a
             # v5p's HBM, so the sampler takes them in chunks of 256 prompts
             "sampling.batch_buckets": (8, 16, 32, 64, 128, 256),
@@ -196,6 +205,12 @@ VARIANTS = {
             "templates.max_prompt_tokens": 10_240,
             "sampling.batch_buckets": (8, 16, 32, 64, 128),
             "rl.micro_batches": 8,  # the fewest that fit on v5p:2x4x4 (--fit_micro_batches)
+            # the engine with a slot for every row of a round (P*n = P*m = 512), so nothing
+            # is staged; round 2's prefill (40.5 GiB pool of 10,240 + 8,192-token rows) peaks
+            # at 45.5 GiB (47%) (--dry_run --topology=v5p:2x4x4; roofline: step >= 156 s vs
+            # 293 s static, under the assumed response lengths it prints)
+            "sampling.engine": "continuous",
+            "engine.slots": 512, "engine.staged": 0,
         })),
     # The real-user path at CPU size: a Qwen3 checkpoint directory (the real-shape
     # fixture of fbos_jax/testing/qwen_fixture.py, or any --init_from_hf=DIR: its
@@ -229,7 +244,10 @@ VARIANTS = {
             "sft.learning_rate": 1e-4, "sft.warmup_steps": 1, "sft.fap_fraction": 0.25,
         }),
     # Qwen3-8B on 8xH100 nodes: tensor parallel inside the node (NVLink), data
-    # parallel across nodes (dcn). Its memory plan is an estimate (README).
+    # parallel across nodes (dcn). Its memory plan is an estimate (README). It keeps the
+    # static sampler: the engine's programs for GPUs (XLA paged attention, which gathers
+    # every slot's pages into a dense cache per window) have not been compiled for
+    # h100:2x8 (XLA's GPU compiler is not installed where the plans were made).
     "qwen_8b_h100": dict(
         model=_QWEN3_8B, mesh=dict(dcn=-1, data=1, fsdp=1, tensor=8),
         run=dict(_LARGE_RUN, **{"rl.micro_batches": 32})),

@@ -6,7 +6,10 @@
 * :func:`hbm_bytes` / :func:`fit_fraction`: how much a program may take, as the
   compiler reports it;
 * :data:`CHIP_SPECS` and :func:`roofline`: lower bounds on time from FLOPs at the
-  chip's bf16 peak and from the bytes a decode step must read at its HBM bandwidth.
+  chip's bf16 peak and from the bytes a decode step must read at its HBM bandwidth,
+  under an assumed response-length distribution (:data:`RESPONSE_LENGTHS`), for
+  the static sampler (every call runs to its longest row) and the continuous
+  engine (slots refilled as rows stop) side by side.
 
 The programs themselves (what a step compiles, at which shapes) are in
 ``fbos_jax/plan.py``; their shapes come from the rollout's shape model
@@ -17,7 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
+import math
 import re
+import statistics
 from typing import Any
 
 import jax
@@ -226,6 +232,104 @@ def analytic_flops(mc: qwen.ModelConfig, *, kind: str, rows: int, seq: int = 0,
 
 
 
+def decode_flops(mc: qwen.ModelConfig, tokens: float, ctx: float) -> float:
+  """Matmul FLOPs of ``tokens`` decoded tokens (all devices), each attending to
+  ``ctx`` keys on average: the trunk and the LM head per token, QK^T and PV per
+  (query, key) pair."""
+  per_tok = 2 * _trunk_matmul_params(mc) + 2 * mc.hidden_size * mc.vocab_size
+  attn = 4 * mc.num_layers * mc.num_heads * mc.head_dim
+  return float(tokens * (per_tok + attn * ctx))
+
+
+# ----------------------------------------------------------------------------- response lengths
+
+_Z99 = statistics.NormalDist().inv_cdf(0.99)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseLengths:
+  """The response-length distribution the roofline assumes: lognormal with median
+  ``median_fraction`` x max_new_tokens and 99th percentile ``p99_fraction`` x
+  max_new_tokens, capped at max_new_tokens (a row that reaches the cap stops
+  there). An assumption, not a measurement: set it from a run's
+  ``rollout/response_len`` when one exists."""
+  median_fraction: float = 0.25
+  p99_fraction: float = 1.0
+
+  def __post_init__(self):
+    if not 0 < self.median_fraction <= self.p99_fraction:
+      raise PlanError(f"ResponseLengths(median_fraction={self.median_fraction}, p99_fraction="
+                      f"{self.p99_fraction}): need 0 < median_fraction <= p99_fraction.")
+
+  def _mu_sigma(self, cap: int) -> tuple:
+    sigma = math.log(self.p99_fraction / self.median_fraction) / _Z99
+    return math.log(self.median_fraction * cap), sigma
+
+  def cdf(self, x, cap: int):
+    """P(length <= x) for lengths capped at ``cap`` (x an array)."""
+    mu, sigma = self._mu_sigma(cap)
+    x = np.asarray(x, np.float64)
+    if sigma == 0:
+      below = (x >= math.exp(mu)).astype(np.float64)
+    else:
+      z = (np.log(np.maximum(x, 1e-300)) - mu) / (sigma * math.sqrt(2))
+      below = 0.5 * (1 + np.vectorize(math.erf)(z))
+    return np.where(x >= cap, 1.0, np.where(x <= 0, 0.0, below))
+
+  def mean(self, cap: int) -> float:
+    """E[min(L, cap)]."""
+    return self.expected_max(1, cap)
+
+  def expected_max(self, rows: int, cap: int) -> float:
+    """E[max of ``rows`` independent lengths] (capped): the steps of a static
+    call of ``rows`` rows, which runs until its longest row stops."""
+    x = np.linspace(0.0, float(cap), 8193)
+    f = 1.0 - self.cdf(x, cap) ** max(int(rows), 1)
+    return float(np.sum((f[1:] + f[:-1]) / 2) * (x[1] - x[0]))
+
+  def sample(self, rows: int, cap: int, seed: int = 0) -> np.ndarray:
+    """``rows`` lengths (int, in [1, cap]) at the quantiles (i + 1/2) / rows of the
+    distribution, in a fixed shuffled order (``seed``): the rows of one call."""
+    mu, sigma = self._mu_sigma(cap)
+    nd = statistics.NormalDist(mu, sigma) if sigma else None
+    q = [(i + 0.5) / rows for i in range(int(rows))]
+    raw = [math.exp(nd.inv_cdf(p)) if nd else math.exp(mu) for p in q]
+    out = np.clip(np.ceil(raw), 1, cap).astype(np.int64)
+    return np.random.default_rng(seed).permutation(out)
+
+  def describe(self, cap: int) -> str:
+    return (f"lognormal, median {self.median_fraction:g} x max_new_tokens = "
+            f"{self.median_fraction * cap:,.0f}, p99 {self.p99_fraction:g} x max_new_tokens = "
+            f"{self.p99_fraction * cap:,.0f}, capped at {cap:,}: mean {self.mean(cap):,.0f}")
+
+
+# The roofline's assumption: median a quarter of the cap and 1% of rows at the cap
+# (issue 22: at 8,192 new tokens the median stops near 2,000 and a row of every
+# large call reaches the cap).
+RESPONSE_LENGTHS = ResponseLengths(median_fraction=0.25, p99_fraction=1.0)
+
+
+def engine_schedule(lengths, slots: int) -> tuple:
+  """(steps, slot utilisation) of the continuous engine decoding rows of
+  ``lengths`` (in order) through ``slots`` slots, a slot taking the next row as
+  soon as its row stops (staged rows: no wait for a window to end). Utilisation
+  = tokens / (slot-steps of min(slots, rows) slots)."""
+  lengths = [int(x) for x in lengths]
+  if not lengths:
+    return 0, 0.0
+  s = max(1, min(int(slots), len(lengths)))
+  free = [0] * s
+  end = 0
+  for length in lengths:
+    t = heapq.heappop(free) + length
+    end = max(end, t)
+    heapq.heappush(free, t)
+  return end, sum(lengths) / (s * end)
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
 def _param_bytes_per_device_decode(model_cfg, mesh) -> float:
   """Weight bytes one device reads per decode step: its tensor-parallel share of
   all weights (FSDP shards are gathered for the matmuls)."""
@@ -240,41 +344,106 @@ def _kv_bytes_per_device(model_cfg, mesh, rows: int, ctx: float) -> float:
   return rows * ctx * per_token / shards
 
 
-def roofline(model_cfg, mesh, chip: ChipSpec, sampler_shapes: dict, reports: dict) -> dict:
-  """Lower bounds on time from the analytic FLOPs (at the chip's bf16 peak) and
-  the bytes a decode step must read (at its HBM bandwidth), for the sampler
-  calls ``sampler_shapes`` (``fbos_jax.rl.shapes.sampler_shapes``) and the
-  compiled ``reports``. Not a measurement."""
-  n_dev = mesh.size
+def _step_time(model_cfg, mesh, chip, n_dev: int, computed_rows: float, live_rows: float,
+               ctx: float) -> tuple:
+  """(seconds, bound) of one decode step that computes ``computed_rows`` rows and
+  reads the KV cache of ``live_rows`` rows of ``ctx`` keys each."""
   peak = chip.peak_bf16_flops / chip.devices_per_chip  # per JAX device
   bw = chip.hbm_bandwidth / chip.devices_per_chip
+  mem = (_param_bytes_per_device_decode(model_cfg, mesh)
+         + _kv_bytes_per_device(model_cfg, mesh, live_rows, ctx)) / bw
+  comp = decode_flops(model_cfg, computed_rows, ctx) / n_dev / peak
+  return max(mem, comp), ("memory" if mem >= comp else "compute")
+
+
+def static_estimate(model_cfg, mesh, chip, shape, lengths: ResponseLengths) -> dict:
+  """A static-sampler call (``shapes.SamplerShape``): every chunk prefills its
+  prompts, then decodes all its rows until its longest row stops (E[max] steps),
+  each step reading every row's cache (finished rows included)."""
+  n_dev = mesh.size
+  peak = chip.peak_bf16_flops / chip.devices_per_chip
+  r, p = shape.max_new_tokens, shape.prompt_len
+  out = {"calls": len(shape.chunks or (shape.prompts,)), "rows_per_call": shape.rows,
+         "prefill_s": 0.0, "decode_s": 0.0, "steps": 0.0}
+  for c in shape.chunks or (shape.prompts,):
+    rows = c * shape.n
+    steps = lengths.expected_max(rows, r)
+    per, bound = _step_time(model_cfg, mesh, chip, n_dev, rows, rows, p + steps / 2)
+    pre = analytic_flops(model_cfg, kind="sample", rows=c, prompts=c, prompt_len=p,
+                         response_len=1)
+    out["prefill_s"] += pre / (n_dev * peak)
+    out["decode_s"] += steps * per
+    out["steps"] += steps
+    out.update(step_s=per, bound=bound)
+  out["total_s"] = out["prefill_s"] + out["decode_s"]
+  return out
+
+
+def continuous_estimate(model_cfg, mesh, chip, shape, lengths: ResponseLengths) -> dict:
+  """An engine call (``shapes.EngineShape``): the prompts prefilled once, then
+  ``slots`` slots decode the call's rows, refilled as rows stop
+  (:func:`engine_schedule` over :meth:`ResponseLengths.sample`); a step
+  computes every slot and reads the caches of the live rows (slots x
+  utilisation on average, each at the mean context of a generated token)."""
+  n_dev = mesh.size
+  peak = chip.peak_bf16_flops / chip.devices_per_chip
+  r, p, rows = shape.max_new_tokens, shape.prompt_len, shape.rows
+  lens = lengths.sample(rows, r)
+  steps, util = engine_schedule(lens, shape.slots)
+  computed = min(shape.slots, rows)
+  ctx = p + float(np.sum(lens.astype(np.float64) ** 2) / (2 * np.sum(lens)))
+  per, bound = _step_time(model_cfg, mesh, chip, n_dev, computed, computed * util, ctx)
+  pre = analytic_flops(model_cfg, kind="sample", rows=shape.prompts, prompts=shape.prompts,
+                       prompt_len=p, response_len=1)
+  out = {"slots": shape.slots, "rows": rows, "steps": float(steps), "slot_util": util,
+         "step_s": per, "bound": bound, "prefill_s": pre / (n_dev * peak),
+         "decode_s": steps * per}
+  out["total_s"] = out["prefill_s"] + out["decode_s"]
+  return out
+
+
+def roofline(model_cfg, mesh, chip: ChipSpec, sampler_shapes: dict, reports: dict, *,
+             engine_shapes: dict | None = None, engine: str = "static",
+             lengths: ResponseLengths = RESPONSE_LENGTHS) -> dict:
+  """Lower bounds on time from the analytic FLOPs (at the chip's bf16 peak) and
+  the bytes a decode step must read (at its HBM bandwidth), for the sampler
+  calls ``sampler_shapes`` (``fbos_jax.rl.shapes.sampler_shapes``: the static
+  sampler) and ``engine_shapes`` (``shapes.engine_shapes``: the continuous
+  engine) under the response lengths ``lengths``, and the compiled update in
+  ``reports``. Both samplers are estimated; the step uses ``engine`` (the run's
+  ``sampling.engine``). Not a measurement."""
+  n_dev = mesh.size
+  peak = chip.peak_bf16_flops / chip.devices_per_chip  # per JAX device
   out: dict[str, Any] = {"chip": chip.name, "peak_bf16_flops_per_chip": chip.peak_bf16_flops,
-                         "hbm_bandwidth_per_chip": chip.hbm_bandwidth}
-  step = 0.0
+                         "hbm_bandwidth_per_chip": chip.hbm_bandwidth, "engine": engine,
+                         "lengths": dataclasses.asdict(lengths)}
+  step = {"static": 0.0, "continuous": 0.0}
   useful = 0.0
   for name, s in sampler_shapes.items():
-    pre = analytic_flops(model_cfg, kind="sample", rows=s.prompts, prompts=s.prompts,
-                         prompt_len=s.prompt_len, response_len=1)
-    pre_s = pre / (n_dev * peak)
-    ctx = s.prompt_len + s.max_new_tokens / 2
-    bytes_tok = _param_bytes_per_device_decode(model_cfg, mesh) + _kv_bytes_per_device(
-        model_cfg, mesh, s.rows, ctx)
-    dec_flops_tok = analytic_flops(model_cfg, kind="sample", rows=s.rows, prompts=0, prompt_len=0,
-                                   response_len=2) / n_dev
-    per_tok = max(bytes_tok / bw, dec_flops_tok / peak)
-    t = pre_s + (s.max_new_tokens - 1) * per_tok
-    out[name] = {"prefill_s": pre_s, "decode_s_per_token": per_tok,
-                 "decode_bound": "memory" if bytes_tok / bw >= dec_flops_tok / peak else "compute",
-                 "total_s": t}
+    est = {"static": static_estimate(model_cfg, mesh, chip, s, lengths),
+           "max_new_tokens": s.max_new_tokens, "prompt_len": s.prompt_len,
+           "rows": s.n * sum(s.chunks or (s.prompts,)),
+           "mean_len": lengths.mean(s.max_new_tokens),
+           "length_model": lengths.describe(s.max_new_tokens)}
+    if engine_shapes and name in engine_shapes:
+      est["continuous"] = continuous_estimate(model_cfg, mesh, chip, engine_shapes[name], lengths)
+    chosen = est.get(engine, est["static"])
+    est["total_s"] = chosen["total_s"]
+    out[name] = est
     if name.startswith("sample"):
-      step += t
-      useful += reports[name].flops if name in reports else 0.0
+      for k in step:
+        step[k] += est.get(k, est["static"])["total_s"]
+      useful += decode_flops(model_cfg, est["rows"] * est["mean_len"],
+                             s.prompt_len + est["mean_len"] / 2)
   upd = reports.get("update")
   if upd is not None:  # its FLOPs already count every epoch and mini-batch
     t = upd.flops / (n_dev * peak)
     out["update"] = {"total_s": t}
-    step += t
+    for k in step:
+      step[k] += t
     useful += upd.flops
-  out["step_s"] = step
-  out["mfu_bound"] = useful / (step * n_dev * peak) if step else 0.0
+  out["step_s"] = step.get(engine, step["static"])
+  out["step_s_static"] = step["static"]
+  out["step_s_continuous"] = step["continuous"] if engine_shapes else None
+  out["mfu_bound"] = useful / (out["step_s"] * n_dev * peak) if out["step_s"] else 0.0
   return out

@@ -60,6 +60,7 @@ class Program:
   flops: float  # analytic FLOPs of one call, all devices together
   what: str  # one line: the shapes
   knobs: str  # the config fields that shrink it
+  refused: str = ""  # why the program cannot be built (the engine refuses its config)
 
 
 def _abstract_batch(shape: shapes_lib.UpdateShape, mesh, rules):
@@ -105,6 +106,56 @@ def _sampler_program(name, shape: shapes_lib.SamplerShape, parts, mesh, rules,
   return Program(name, fn, args, flops, what, knobs)
 
 
+ENGINE_KINDS = ("window", "prefill")
+_POOL_KNOBS = ("engine.slots, engine.staged (rows prefilled ahead; -1 = as many as slots, "
+               "0 = off), engine.num_pages (0 = the smallest pool no row waits on), "
+               "engine.page_size, sampling.max_new_tokens, {prompts} / engine.max_prompt_len, "
+               "mesh (more fsdp/tensor)")
+
+
+def _engine_programs(name, shape: shapes_lib.EngineShape, parts, mesh, rules,
+                     params) -> list[Program]:
+  """The engine's decode window and prefill for call ``name`` at their largest
+  shapes (``fbos_jax/engine/plan.py:abstract_programs``), as ``name/window`` and
+  ``name/prefill``; both ``refused`` (not built) when the engine refuses its config."""
+  from fbos_jax.engine import EngineError
+  from fbos_jax.engine import plan as eplan
+  prompts = ("sampling.fap_prompt_buckets / templates.max_prompt_tokens" if "round2" in name
+             else "sampling.prompt_buckets")
+  knobs = _POOL_KNOBS.format(prompts=prompts)
+  scfg = shape.sampling
+  try:
+    scfg.validate(parts.model.vocab_size)
+    progs = eplan.abstract_programs(parts.model, scfg, shape.engine, mesh, rules, params=params,
+                                    n_per_prompt=shape.n)
+  except (EngineError, ValueError) as e:
+    return [Program(f"{name}/{k}", None, (), 0.0, "not built: the engine refuses its config",
+                    knobs, refused=str(e)) for k in ENGINE_KINDS]
+  eng = progs.pop("engine")
+  d = eplan.describe(eng)
+  pool = (f"pool {d['pages_per_shard']:,} pages of {d['page_size']} per batch shard = "
+          f"{d['pool_bytes_per_device'] / GiB:.2f} GiB per device")
+  r = shape.max_new_tokens
+  greedy = " (greedy)" if scfg.is_greedy else ""
+  window_what = (f"{d['slots']} slots + {d['staged']} staged over {d['batch_shards']} batch "
+                 f"shard(s), prompt <= {eng.max_prompt} + {r} new tokens ({d['pages_per_row']} "
+                 f"pages per row); {pool}; {d['window']}-step window, {d['attention']} "
+                 f"attention{greedy}")
+  copies = eplan.copies_bucket(eng, shape.n)
+  prefill_what = (f"{d['slots']} prompts x one {d['prefill_chunk']}-token chunk into the "
+                  f"pages" + (f" (+ {copies} copies of a partial last page for the "
+                              f"{shape.n} samples)" if copies else "") + f"; {pool}")
+  ctx = eng.max_prompt + r / 2
+  flops = {"window": hw.decode_flops(parts.model, d["slots"] * d["window"], ctx),
+           "prefill": hw.analytic_flops(parts.model, kind="logprob", rows=d["slots"],
+                                        seq=d["prefill_chunk"], response_len=0)}
+  what = {"window": window_what, "prefill": prefill_what}
+  extra = {"window": "engine.window (steps per call)",
+           "prefill": "engine.prefill_chunk (prompt tokens per call)"}
+  return [Program(f"{name}/{k}", fn, args, flops[k], what[k], f"{knobs}, {extra[k]}")
+          for k, (fn, args) in ((k, progs[f"engine_{k}"]) for k in ENGINE_KINDS)]
+
+
 def _update_program(parts, mesh, rules, state, batch_shapes: dict) -> Program:
   from fbos_jax.rl import update as update_lib
   ucfg = parts.update
@@ -129,19 +180,31 @@ def _update_program(parts, mesh, rules, state, batch_shapes: dict) -> Program:
   return Program("update", jitted, (state, batches), flops, what, knobs)
 
 
+def _wanted(only: Optional[str], name: str) -> bool:
+  """``only`` selects a program by its name or, for the engine, by its call."""
+  return only is None or only == name or name.startswith(only + "/")
+
+
 def step_programs(parts, mesh, rules, *, eval_prompts: int = 0, eval_k: int = 1,
                   only: Optional[str] = None) -> list[Program]:
   """Every program one training step (and the periodic eval, ``eval_prompts`` >
-  0) of ``parts`` runs, at the shape model's largest shapes (``only``: that one)."""
+  0) of ``parts`` runs, at the shape model's largest shapes (``only``: that one,
+  or both engine programs of a call): the static sampler's calls, or with
+  ``sampling.engine=continuous`` the engine's window and prefill of each call."""
   from fbos_jax.rl import state as state_lib
   state = state_lib.abstract_state(parts, mesh, rules, strict=True)
   shards = sh.batch_shard_count(mesh, rules)
   progs = []
-  samplers = shapes_lib.sampler_shapes(parts, shards, eval_prompts=eval_prompts, eval_k=eval_k)
-  for name, s in samplers.items():
-    if only in (None, name):
-      progs.append(_sampler_program(name, s, parts, mesh, rules, state.params))
-  if only in (None, "update"):
+  kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
+  if parts.sampling.engine == "continuous":
+    for name, s in shapes_lib.engine_shapes(parts, **kw).items():
+      progs += [p for p in _engine_programs(name, s, parts, mesh, rules, state.params)
+                if _wanted(only, p.name)]
+  else:
+    for name, s in shapes_lib.sampler_shapes(parts, shards, **kw).items():
+      if _wanted(only, name):
+        progs.append(_sampler_program(name, s, parts, mesh, rules, state.params))
+  if _wanted(only, "update"):
     progs.append(_update_program(parts, mesh, rules, state,
                                  shapes_lib.update_shapes(parts, shards)))
   return progs
@@ -163,7 +226,8 @@ class ProgramReport:
   alias: int = 0
   temp: int = 0
   code: int = 0
-  error: str = ""  # the compiler's message when it did not compile
+  error: str = ""  # the compiler's message when it did not compile (or the refusal)
+  refused: bool = False  # not built: the engine refused its config (error says why)
 
   @property
   def peak(self) -> int:
@@ -184,6 +248,9 @@ _OOM_RE = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
 
 def compile_program(prog: Program, mesh) -> ProgramReport:
   rep = ProgramReport(prog.name, prog.what, prog.knobs, prog.flops)
+  if prog.refused:
+    rep.error, rep.refused = prog.refused, True
+    return rep
   try:
     with jax.set_mesh(mesh):
       compiled = prog.fn.lower(*prog.args).compile()
@@ -237,12 +304,15 @@ def _micro_batch_options(parts, shards: int) -> list[int]:
 
 
 def compile_plan(config, topology: str, *, search: bool = True,
-                 progress: Optional[Callable[[str], None]] = None) -> dict:
+                 progress: Optional[Callable[[str], None]] = None,
+                 lengths: hw.ResponseLengths = hw.RESPONSE_LENGTHS) -> dict:
   """Compile every program of one step of ``config`` for ``topology`` and report.
 
   With ``search``, a program that does not fit is recompiled with larger
-  ``rl.micro_batches`` (update) or a smaller largest ``sampling.batch_buckets``
-  (samplers) to find the setting that fits; the report names it."""
+  ``rl.micro_batches`` (update), a smaller largest ``sampling.batch_buckets``
+  (static samplers) or fewer ``engine.staged`` / ``engine.slots`` (engine
+  programs) to find the setting that fits; the report names it. The roofline
+  assumes the response lengths ``lengths``."""
   devices = hw.topology_devices(topology)
   mesh = hw.target_mesh(config, devices, topology)
   rules = sh.rules_dict(config.mesh.rules)
@@ -260,12 +330,20 @@ def compile_plan(config, topology: str, *, search: bool = True,
     say(f"compiling {prog.name}: {prog.what}")
     rep = compile_program(prog, mesh)
     reports[prog.name] = rep
+    say(f"  {prog.name}: " + (_failure(rep) if rep.error and not rep.temp else
+                              f"peak {(rep.peak if not rep.error else rep.temp) / GiB:.2f} GiB = "
+                              f"{100 * (rep.peak if not rep.error else rep.temp) / hbm:.0f}% HBM"))
     if search and not _fits(rep, budget):
+      if rep.error and not rep.temp and not rep.refused:  # not about memory: nothing to search
+        suggestions[prog.name] = "(no search: the compiler's error is not about memory)"
+        continue
       suggestions[prog.name] = _search(parts, mesh, rules, prog.name, budget, say,
                                        eval_prompts, config.train.eval_k)
   shards = sh.batch_shard_count(mesh, rules)
-  est = hw.roofline(parts.model, mesh, chip, shapes_lib.sampler_shapes(
-      parts, shards, eval_prompts=eval_prompts, eval_k=config.train.eval_k), reports)
+  kw = dict(eval_prompts=eval_prompts, eval_k=config.train.eval_k)
+  est = hw.roofline(parts.model, mesh, chip, shapes_lib.sampler_shapes(parts, shards, **kw),
+                    reports, engine_shapes=shapes_lib.engine_shapes(parts, **kw),
+                    engine=parts.sampling.engine, lengths=lengths)
   model_cfg = parts.model
   return {
       "topology": topology, "chip": chip.name, "device_kind": devices[0].device_kind,
@@ -275,6 +353,7 @@ def compile_plan(config, topology: str, *, search: bool = True,
                  "optimizer_state": parts.optim.opt_state_dtype,
                  "kv_cache": model_cfg.compute_dtype},
       "attention": model_cfg.attention, "remat": model_cfg.remat,
+      "sampler": parts.sampling.engine,
       "param_count": qwen.count_params(qwen.abstract_params(model_cfg)),
       "fits": all(_fits(r, budget) for r in reports.values()),
       "programs": {k: r for k, r in reports.items()},
@@ -296,6 +375,8 @@ def _search(parts, mesh, rules, name: str, budget: float, say, eval_prompts: int
         return f"--config.rl.micro_batches={m} (peak {rep.peak / GiB:.1f} GiB)"
     return ("no rl.micro_batches fits (down to one row per batch shard); shrink the sequence "
             "(sampling.max_new_tokens, prompt buckets), use model.remat='full', or add devices")
+  if "/" in name:
+    return _search_engine(parts, mesh, rules, name, budget, say, eval_prompts, eval_k)
   if name.startswith(("sample", "eval")):
     buckets = parts.sampling.round1.batch_buckets
     top = max(buckets)
@@ -312,6 +393,46 @@ def _search(parts, mesh, rules, name: str, budget: float, say, eval_prompts: int
         return f"--config.sampling.batch_buckets='{smaller}' (peak {rep.peak / GiB:.1f} GiB)"
     return "no batch bucket fits; shorten prompts / responses or add devices"
   return ""
+
+
+def _with_engine(parts, **changes):
+  ecfg = dataclasses.replace(shapes_lib.engine_config(parts), **changes)
+  return dataclasses.replace(parts, sampling=dataclasses.replace(parts.sampling,
+                                                                 engine_config=ecfg))
+
+
+def _engine_options(parts, shards: int) -> list[dict]:
+  """Smaller engines to try, in order: fewer staged rows (halved down to none),
+  then fewer slots (halved, staged off), each a multiple of the batch shards."""
+  e = shapes_lib.engine_config(parts)
+  down = lambda n: [m for m in (n // 2 ** i for i in range(1, 12)) if m >= shards
+                    and m % shards == 0]
+  staged = e.slots if e.staged == -1 else int(e.staged)
+  out = [dict(staged=q) for q in down(staged)] + ([dict(staged=0)] if staged else [])
+  out += [dict(slots=s, staged=0) for s in down(e.slots)]
+  return out
+
+
+def _search_engine(parts, mesh, rules, name: str, budget: float, say, eval_prompts: int,
+                   eval_k: int) -> str:
+  """The largest engine (fewest staged rows dropped, then fewest slots) at which
+  engine program ``name`` fits; a flag line, or what to change when none does."""
+  shards = sh.batch_shard_count(mesh, rules)
+  if shapes_lib.engine_config(parts).num_pages:
+    return ("engine.num_pages is set: the pool does not shrink with the slots; lower it (or 0 "
+            "for the smallest pool that never waits) together with engine.slots / engine.staged")
+  for opt in _engine_options(parts, shards):
+    progs = step_programs(_with_engine(parts, **opt), mesh, rules, eval_prompts=eval_prompts,
+                          eval_k=eval_k, only=name)
+    if not progs or progs[0].refused:
+      continue
+    flags = " ".join(f"--config.engine.{k}={v}" for k, v in opt.items())
+    say(f"  retry {name} with {flags}")
+    rep = compile_program(progs[0], mesh)
+    if _fits(rep, budget):
+      return f"{flags} (peak {rep.peak / GiB:.1f} GiB)"
+  return ("no engine.slots fits (down to one slot per batch shard, staged off); shorten the "
+          "prompts / sampling.max_new_tokens, or add devices")
 
 
 def fit_micro_batches(config, topology: str, *, progress=None) -> tuple[int, dict]:
@@ -350,6 +471,13 @@ def fit_micro_batches(config, topology: str, *, progress=None) -> tuple[int, dic
   return 0, tried
 
 
+_W = 22  # the program column
+
+
+def _failure(r: ProgramReport) -> str:
+  return ("is refused by the engine: " if r.refused else "does not compile: ") + r.error
+
+
 def format_compiled_plan(plan: dict) -> str:
   hbm = plan["hbm_bytes"]
   budget = plan["fit_fraction"] * hbm
@@ -361,48 +489,83 @@ def format_compiled_plan(plan: dict) -> str:
       "mesh: " + " x ".join(f"{k}={v}" for k, v in plan["mesh"].items()),
       f"params: {plan['param_count']:,} ({d['params']}), compute {d['compute']}, optimizer "
       f"state {d['optimizer_state']}, KV cache {d['kv_cache']}, attention "
-      f"{plan['attention']}, remat {plan['remat']}",
+      f"{plan['attention']}, remat {plan['remat']}, sampler {plan['sampler']}"
+      + (" (the engine's programs: NAME/window, NAME/prefill)"
+         if plan["sampler"] == "continuous" else ""),
       "",
-      f"{'program':<20} {'args':>8} {'out':>8} {'alias':>8} {'temp':>8} {'code':>6} "
+      f"{'program':<{_W}} {'args':>8} {'out':>8} {'alias':>8} {'temp':>8} {'code':>6} "
       f"{'peak GiB':>9} {'% HBM':>6}  {'FLOPs (analytic)':>16} {'XLA FLOPs/dev*':>14}",
   ]
   for name, r in plan["programs"].items():
     g = lambda b: f"{b / GiB:8.2f}"
     if r.error and not r.temp:
-      lines.append(f"{name:<20} {'does not compile: ' + r.error}")
+      lines.append(f"{name:<{_W}} {_failure(r)}")
+      lines.append(f"{'':<{_W}} {r.what}")
       continue
     peak = r.peak if not r.error else r.argument + r.temp
-    lines.append(f"{name:<20} {g(r.argument)} {g(r.output)} {g(r.alias)} {g(r.temp)} "
+    lines.append(f"{name:<{_W}} {g(r.argument)} {g(r.output)} {g(r.alias)} {g(r.temp)} "
                  f"{r.code / GiB:6.2f} {peak / GiB:9.2f} {100 * peak / hbm:5.0f}%  "
                  f"{r.flops:16.3e} {r.xla_flops:14.3e}"
                  + ("" if _fits(r, budget) else "  <-- DOES NOT FIT"))
-    lines.append(f"{'':<20} {r.what}")
+    lines.append(f"{'':<{_W}} {r.what}")
   lines.append("* XLA's cost_analysis counts a loop body once (layer scan, micro-batches, "
                "decode): per device, a lower bound. The analytic column counts every iteration "
                "(all devices).")
   for name, r in plan["programs"].items():
     if not _fits(r, budget):
       peak = r.peak if not r.error else r.temp
-      lines.append(f"\n{name} does not fit: {peak / GiB:.2f} GiB > {plan['fit_fraction']:.0%} of "
-                   f"{hbm / GiB:.2f} GiB HBM{' (' + r.error + ')' if r.error else ''}.")
+      if r.error and not r.temp:
+        lines.append(f"\n{name} {_failure(r)}")
+      else:
+        lines.append(f"\n{name} does not fit: {peak / GiB:.2f} GiB > {plan['fit_fraction']:.0%} "
+                     f"of {hbm / GiB:.2f} GiB HBM{' (' + r.error + ')' if r.error else ''}.")
       lines.append(f"  knobs that shrink it: {r.knobs}")
       if plan["suggestions"].get(name):
         lines.append(f"  found by recompiling: {plan['suggestions'][name]}")
-  rf = plan["roofline"]
-  lines.append("")
-  lines.append(f"roofline ({rf['chip']}: {rf['peak_bf16_flops_per_chip'] / 1e12:.0f} TFLOP/s bf16, "
-               f"{rf['hbm_bandwidth_per_chip'] / 1e12:.2f} TB/s HBM per chip; lower bounds):")
-  for name, v in rf.items():
-    if isinstance(v, dict) and "decode_s_per_token" in v:
-      lines.append(f"  {name:<18} prefill {v['prefill_s']:.3f} s + decode "
-                   f"{1e3 * v['decode_s_per_token']:.2f} ms/token ({v['decode_bound']}-bound) "
-                   f"= {v['total_s']:.2f} s")
-    elif isinstance(v, dict):
-      lines.append(f"  {name:<18} {v['total_s']:.2f} s at peak")
-  lines.append(f"  one step (rounds + update, eval excluded): >= {rf['step_s']:.2f} s; MFU bound "
-               f"{100 * rf['mfu_bound']:.0f}% (decode is memory-bound)")
+  lines += [""] + format_roofline(plan["roofline"])
   lines.append("fits: " + ("yes" if plan["fits"] else "NO"))
   return "\n".join(lines)
+
+
+def format_roofline(rf: dict) -> list[str]:
+  """The roofline's lines: per sampler call the static sampler's and the engine's
+  estimates side by side (the one the run uses marked), the update, the step."""
+  lines = [f"roofline ({rf['chip']}: {rf['peak_bf16_flops_per_chip'] / 1e12:.0f} TFLOP/s bf16, "
+           f"{rf['hbm_bandwidth_per_chip'] / 1e12:.2f} TB/s HBM per chip; lower bounds, "
+           "prompts at their largest bucket)"]
+  calls = {k: v for k, v in rf.items() if isinstance(v, dict) and "static" in v}
+  for model in dict.fromkeys(v["length_model"] for v in calls.values()):
+    lines.append(f"  ASSUMED response lengths (not measured; fbos_jax/hardware.py:"
+                 f"RESPONSE_LENGTHS): {model}")
+  mark = lambda k: " <- this run" if rf["engine"] == k else ""
+  for name, v in calls.items():
+    st = v["static"]
+    lines.append(f"  {name:<14} {v['rows']:,} rows of prompt {v['prompt_len']:,} + up to "
+                 f"{v['max_new_tokens']:,} new tokens (mean {v['mean_len']:,.0f})")
+    lines.append(f"    static     {st['calls']} call(s) of {st['rows_per_call']:,} rows, each to "
+                 f"its longest row (E[max] {st['steps'] / st['calls']:,.0f} steps): prefill "
+                 f"{st['prefill_s']:.2f} s + {st['steps']:,.0f} steps x "
+                 f"{1e3 * st['step_s']:.2f} ms ({st['bound']}) = {st['total_s']:.2f} s"
+                 + mark("static"))
+    ct = v.get("continuous")
+    if ct:
+      lines.append(f"    continuous {ct['slots']:,} slots, refilled as rows stop: "
+                   f"{100 * ct['slot_util']:.0f}% slot utilisation, prefill "
+                   f"{ct['prefill_s']:.2f} s + {ct['steps']:,.0f} steps x "
+                   f"{1e3 * ct['step_s']:.2f} ms ({ct['bound']}) = {ct['total_s']:.2f} s "
+                   f"({st['total_s'] / ct['total_s']:.2f}x static)" + mark("continuous"))
+  if "update" in rf:
+    lines.append(f"  {'update':<14} {rf['update']['total_s']:.2f} s at peak")
+  both = (f"static >= {rf['step_s_static']:.2f} s, continuous >= "
+          f"{rf['step_s_continuous']:.2f} s" if rf.get("step_s_continuous") else "")
+  lines.append(f"  one step (rounds + update, eval excluded): >= {rf['step_s']:.2f} s with the "
+               f"{rf['engine']} sampler ({both}); MFU bound {100 * rf['mfu_bound']:.0f}% "
+               "(FLOPs of the generated tokens and the update; decode is memory-bound)")
+  lines.append("  assumptions: the response lengths above; a static call decodes every row "
+               "until its longest stops; the engine refills a slot the step its row stops "
+               "(staged rows), reads only live rows' pages and computes every slot; no host "
+               "time, no streaming of round 2 beside round 1")
+  return lines
 
 
 def plan_json(plan: dict) -> dict:
@@ -413,6 +576,9 @@ def plan_json(plan: dict) -> dict:
                            "argument_bytes": r.argument}
                        for k, r in plan["programs"].items()},
           "est_step_s": plan["est_step_s"], "mfu_bound": plan["roofline"]["mfu_bound"],
+          "sampler": plan["sampler"],
+          "est_step_s_static": plan["roofline"]["step_s_static"],
+          "est_step_s_continuous": plan["roofline"]["step_s_continuous"],
           "suggestions": plan["suggestions"], "dtypes": plan["dtypes"]}
 
 

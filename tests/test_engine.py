@@ -162,6 +162,24 @@ def test_engine_config_does_not_change_the_samples(tiny):
   assert len({tuple(t) for t in a.tokens[:3]}) > 1  # the n samples of a prompt differ
 
 
+@pytest.mark.parametrize("n", [1, 6])
+def test_more_prompts_or_samples_than_slots_at_one_admission(tiny, n):
+  """A shard admits up to slots + staged rows at once: with one sample per prompt
+  (round 2's FAPs) that is more prompts than the largest row bucket, prefilled in
+  several calls; with more samples than slots, a prompt's partial last page gets
+  more private copies than a shard has slots. Both equal the static sampler."""
+  params, cfg = tiny
+  lengths = [7, 10, 3, 12, 9, 2, 6, 5, 4]  # 7, 10: a partial last page (4-token pages)
+  prompts = random_prompts(lengths if n == 1 else lengths[:2], cfg.vocab_size, seed=4)
+  stats = E.EngineStats()
+  eng = E.sample(params, cfg, prompts, key=jax.random.key(3), n_per_prompt=n, engine_config=ECFG,
+                 stats=stats, **GREEDY)
+  static = sampling.sample(params, cfg, prompts, key=jax.random.key(3), n_per_prompt=n, **GREEDY)
+  compare(static, eng, sampled=False)
+  if n == 1:  # 8 prompts admitted at once on the one shard: 2 calls of 4 per chunk round
+    assert stats.prefills > -(-max(map(len, prompts)) // ECFG.prefill_chunk)
+
+
 def test_engine_equals_static_on_the_8_device_mesh(tiny):
   """data=2 x fsdp=2 x tensor=2: slots over the 4 batch shards (each with its own
   pages), kv heads over tensor; the rows equal the single-device static sampler's."""

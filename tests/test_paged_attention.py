@@ -167,3 +167,17 @@ def test_pallas_kernel_compiles_for_tpu():
   assert compiled.as_text().count("tpu_custom_call") >= 1
   gathered = b * pb * ps * 2 * kv * dh * 2  # what the XLA version would gather
   assert compiled.memory_analysis().temp_size_in_bytes < gathered / 4
+
+
+def test_kernel_kv_block_stays_within_its_vmem_budget():
+  """The kernel's default block (128 pages) of 16 tokens x 16 combined kv heads
+  (Qwen3-0.6B's 8 kv heads on one chip) x 128 in bf16 is 2 x 8 MiB of VMEM, which
+  did not compile for v5e (CompileTimeScopedVmemOom in qwen3_0_6b's plan): the
+  block is capped so that both buffers fit KV_BLOCK_VMEM_BYTES; the tuned sizes
+  of smaller head counts are kept."""
+  q = jax.ShapeDtypeStruct((64, 16, 128), jnp.bfloat16)
+  for kv, want in ((8, 64), (2, 128)):  # combined heads 16: capped; 4: the default 128
+    pages = jax.ShapeDtypeStruct((100, 16, 2 * kv, 128), jnp.bfloat16)
+    bkv, bq = PA.kernel_block_sizes("TPU v5 lite", q, pages, pages_per_seq=160)
+    assert bkv == want and bq == 32, (kv, bkv, bq)
+    assert bkv * 2 * 16 * 2 * kv * 128 * 2 <= PA.KV_BLOCK_VMEM_BYTES

@@ -1,4 +1,5 @@
-"""Compile-for-topology plans (fbos_jax/plan.py): XLA's TPU compiler on this CPU.
+"""Compile-for-topology plans (fbos_jax/plan.py): XLA's TPU compiler on this CPU;
+the roofline's response-length model (fbos_jax/hardware.py), static vs continuous.
 
 These tests need libtpu (the TPU compiler, no TPU): `pip install libtpu==0.0.42.1`
 (requirements-test.txt installs it). Without it the compiling tests are skipped.
@@ -20,6 +21,7 @@ from fbos_jax import hardware as hw
 from fbos_jax import plan as plan_lib
 from fbos_jax import sharding as sh
 from fbos_jax.model import qwen
+from fbos_jax.engine import EngineConfig
 from fbos_jax.rl import shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,9 +31,14 @@ needs_libtpu = pytest.mark.skipif(
     "(or pip install -r requirements-test.txt); no TPU is needed")
 
 
-def small_real_heads(spec="configs/grpo.py:qwen3_0_6b"):
-  """A 2-layer Qwen3 with Qwen3-0.6B's real head sizes and vocabulary, small step shapes."""
+def small_real_heads(spec="configs/grpo.py:qwen3_0_6b", engine="static"):
+  """A 2-layer Qwen3 with Qwen3-0.6B's real head sizes and vocabulary, small step
+  shapes, on the static sampler or the continuous engine (``engine``: 16 slots,
+  64-token prefill chunks)."""
   c = load(spec)
+  c.sampling.engine = engine
+  c.engine.slots = 16
+  c.engine.prefill_chunk = 64
   c.model.num_layers = 2
   c.rl.prompts_per_step = 8
   c.rl.group_size = 4
@@ -189,3 +196,199 @@ def test_real_head_sizes_compile_for_h100s():
   assert plan["fit_fraction"] == hw.GPU_FIT_FRACTION
   for name, rep in plan["programs"].items():
     assert not rep.error and 0 < rep.peak <= 0.75 * plan["hbm_bytes"], name
+
+
+# ---------------------------------------------------------------- the continuous engine
+
+
+def engine_program_names(eval_prompts=0):
+  base = ["sample_round1", "sample_round2"] + (["eval_greedy"] if eval_prompts else [])
+  return [f"{b}/{k}" for b in base for k in plan_lib.ENGINE_KINDS] + ["update"]
+
+
+@needs_libtpu
+def test_the_plan_has_the_engine_programs_when_the_engine_is_on():
+  """sampling.engine=continuous: each sampler call of a step is the engine's decode
+  window and prefill, with the page pool of that call's prompts; static: the static
+  sampler's programs and no engine program."""
+  devs = hw.topology_devices("v5p:2x2x1")
+  names = {}
+  for engine in ("static", "continuous"):
+    c = small_real_heads("configs/fbos.py:qwen3_0_6b", engine)
+    mesh = hw.target_mesh(c, devs)
+    progs = plan_lib.step_programs(plan_lib.plan_parts(c), mesh, sh.rules_dict(c.mesh.rules),
+                                   eval_prompts=16)
+    names[engine] = [p.name for p in progs]
+    if engine == "continuous":
+      what = {p.name: p.what for p in progs}
+      assert "16 slots + 16 staged over 4 batch shard(s), prompt <= 64 + 32" in what[
+          "sample_round1/window"]
+      assert "prompt <= 128 + 32" in what["sample_round2/window"]  # the FAP buckets
+      assert "copies" in what["sample_round1/prefill"]  # 4 samples share a prompt's pages
+      assert "copies" not in what["sample_round2/prefill"]  # one sample per FAP
+      assert "(greedy)" in what["eval_greedy/window"]
+      assert all("engine.slots" in p.knobs and "engine.num_pages" in p.knobs
+                 for p in progs if "/" in p.name)
+  assert names["static"] == ["sample_round1", "sample_round2", "eval_greedy", "update"]
+  assert names["continuous"] == engine_program_names(eval_prompts=16)
+
+
+@needs_libtpu
+def test_engine_programs_compile_and_fit_in_the_plan(monkeypatch):
+  """The compiled plan with the engine on: round 1's window and prefill compile for
+  4 v5p chips with the pool sized from the config (the donated pool is an
+  argument, aliased by the output), fit, and the report and its JSON line say
+  which sampler ran and both roofline numbers. (The update is left out here: the
+  static test above compiles it.)"""
+  c = small_real_heads("configs/grpo.py:qwen3_0_6b", "continuous")
+  real = plan_lib.step_programs
+  monkeypatch.setattr(plan_lib, "step_programs", lambda *a, **k: [
+      p for p in real(*a, **k) if p.name != "update"])
+  plan = plan_lib.compile_plan(c, "v5p:2x2x1", search=False)
+  assert list(plan["programs"]) == ["sample_round1/window", "sample_round1/prefill"]
+  parts = plan_lib.plan_parts(c)
+  from fbos_jax.engine import plan as eplan
+  mesh = hw.target_mesh(c, hw.topology_devices("v5p:2x2x1"))
+  eng = eplan.abstract_programs(parts.model, parts.sampling.round1, parts.sampling.engine_config,
+                                mesh, sh.rules_dict(c.mesh.rules))["engine"]
+  pool = eplan.describe(eng)["pool_bytes_per_device"]
+  for name, rep in plan["programs"].items():
+    assert not rep.error, (name, rep.error)
+    assert rep.argument >= pool and rep.alias >= pool, name  # the pool, updated in place
+    assert 0 < rep.peak <= hw.FIT_FRACTION * plan["hbm_bytes"], name
+  assert plan["fits"] and plan["sampler"] == "continuous"
+  text = plan_lib.format_compiled_plan(plan)
+  assert "sampler continuous" in text and "ASSUMED response lengths" in text
+  assert "static     1 call(s) of 32 rows" in text and "continuous 16 slots" in text
+  assert "<- this run" in text.split("continuous 16 slots")[1].splitlines()[0]
+  js = plan_lib.plan_json(plan)
+  assert js["sampler"] == "continuous" and js["est_step_s"] == js["est_step_s_continuous"]
+  assert js["est_step_s_static"] > 0
+
+
+@needs_libtpu
+def test_an_engine_pool_that_cannot_fit_is_reported_with_the_knobs(monkeypatch):
+  """2,048 slots of 64 + 8,192 tokens on 8 v5e chips: the pool alone is 16 GiB per
+  device. The plan says the window does not fit and names the engine's knobs."""
+  c = small_real_heads("configs/grpo.py:qwen3_0_6b", "continuous")
+  c.engine.slots = 2048
+  c.engine.staged = 0
+  c.sampling.max_new_tokens = 8192
+  real = plan_lib.step_programs
+  monkeypatch.setattr(plan_lib, "step_programs", lambda *a, **k: real(
+      *a, **dict(k, only="sample_round1/window")))
+  plan = plan_lib.compile_plan(c, "v5e:2x4", search=False)
+  rep = plan["programs"]["sample_round1/window"]
+  assert not plan["fits"]
+  assert rep.error or rep.peak > hw.FIT_FRACTION * plan["hbm_bytes"]
+  assert rep.temp + rep.argument > 16 * hw.GiB  # the compiler's figure, kept when it refuses
+  text = plan_lib.format_compiled_plan(plan)
+  assert "sample_round1/window does not fit" in text
+  knobs = text.split("sample_round1/window does not fit")[1]
+  for knob in ("engine.slots", "engine.staged", "engine.num_pages", "engine.page_size",
+               "sampling.max_new_tokens"):
+    assert knob in knobs, knob
+
+
+@needs_libtpu
+def test_an_engine_config_the_engine_refuses_is_reported_with_the_numbers():
+  """engine.num_pages below what the slots need: the engine refuses it at start, so
+  the plan reports the refusal (with the engine's numbers) without compiling."""
+  c = small_real_heads("configs/grpo.py:qwen3_0_6b", "continuous")
+  c.engine.num_pages = 10
+  mesh = hw.target_mesh(c, hw.topology_devices("v5p:2x2x1"))
+  progs = plan_lib.step_programs(plan_lib.plan_parts(c), mesh, sh.rules_dict(c.mesh.rules),
+                                 only="sample_round1")
+  assert [p.name for p in progs] == ["sample_round1/window", "sample_round1/prefill"]
+  rep = plan_lib.compile_program(progs[0], mesh)
+  assert rep.refused and "engine.num_pages=10 per batch shard is too small" in rep.error
+  assert not plan_lib._fits(rep, 1e18)
+
+
+def test_engine_search_drops_staged_rows_then_slots():
+  c = small_real_heads("configs/grpo.py:qwen3_0_6b", "continuous")
+  c.engine.slots = 64
+  opts = plan_lib._engine_options(plan_lib.plan_parts(c), shards=8)
+  assert opts == [dict(staged=32), dict(staged=16), dict(staged=8), dict(staged=0),
+                  dict(slots=32, staged=0), dict(slots=16, staged=0), dict(slots=8, staged=0)]
+
+
+def test_engine_shapes_are_whole_calls():
+  """The engine takes a whole call (no batch buckets); its pool holds the call's
+  longest prompt bucket, or engine.max_prompt_len."""
+  c = load("configs/fbos.py:qwen_8b")
+  parts = plan_lib.plan_parts(c)
+  got = shapes.engine_shapes(parts, eval_prompts=128, eval_k=4)
+  assert {k: (s.rows, s.n, s.prompt_len) for k, s in got.items()} == {
+      "sample_round1": (64 * 8, 8, 2048), "sample_round2": (64 * 8, 1, 4096),
+      "eval_greedy": (128, 1, 2048), "eval_sampled": (128 * 4, 4, 2048)}
+  static = shapes.sampler_shapes(parts, 8, eval_prompts=128, eval_k=4)
+  assert static["sample_round2"].chunks == (256, 256)  # batch buckets up to 256 prompts
+  c.engine.max_prompt_len = 1000
+  assert shapes.engine_shapes(plan_lib.plan_parts(c))["sample_round2"].prompt_len == 1000
+
+
+# ---------------------------------------------------------------- the roofline's lengths
+
+
+def test_response_lengths_follow_the_assumed_lognormal():
+  """mean, E[max of k] and the rows' lengths of the model against numpy draws of
+  the same capped lognormal."""
+  lengths, cap = hw.ResponseLengths(median_fraction=0.25, p99_fraction=1.0), 1000
+  sigma = np.log(4.0) / 2.3263478740408408
+  rng = np.random.default_rng(0)
+  draws = np.minimum(rng.lognormal(np.log(250.0), sigma, (20_000, 64)), cap)
+  assert lengths.mean(cap) == pytest.approx(draws.mean(), rel=0.01)
+  assert lengths.expected_max(64, cap) == pytest.approx(draws.max(axis=1).mean(), rel=0.01)
+  assert lengths.expected_max(1, cap) == pytest.approx(lengths.mean(cap))
+  rows = lengths.sample(1000, cap)
+  assert rows.min() >= 1 and rows.max() <= cap and np.median(rows) == pytest.approx(250, abs=2)
+  assert np.quantile(rows, 0.99) == pytest.approx(1000, rel=0.02)
+  assert rows.mean() == pytest.approx(lengths.mean(cap), rel=0.01)
+  with pytest.raises(hw.PlanError, match="median_fraction"):
+    hw.ResponseLengths(median_fraction=0.5, p99_fraction=0.25)
+
+
+def test_engine_schedule_refills_slots_as_rows_stop():
+  assert hw.engine_schedule([5, 1, 1, 1, 1, 1], slots=2) == (5, 1.0)
+  assert hw.engine_schedule([4, 4, 1], slots=2) == (5, 0.9)
+  assert hw.engine_schedule([3, 1], slots=8) == (3, 4 / 6)  # 2 rows use 2 of the 8 slots
+
+
+def _roofline_calls(lengths, *, slots=64, chunks=(16, 16, 16, 16), engine="continuous"):
+  from fbos_jax import sampling
+  mc = qwen.ModelConfig(model_type="qwen3", vocab_size=1024, hidden_size=256,
+                        intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=64, param_dtype="bfloat16", compute_dtype="bfloat16")
+  mesh = sh.make_abstract_mesh({"dcn": 1, "data": 1, "fsdp": 1, "tensor": 1}, 1)
+  scfg = sampling.SamplingConfig(max_new_tokens=1000, prompt_buckets=(64,))
+  static = {"sample_round1": shapes.SamplerShape(max(chunks), 64, 4, scfg, chunks)}
+  eng = {"sample_round1": shapes.EngineShape(sum(chunks), 4, scfg, EngineConfig(slots=slots))}
+  return hw.roofline(mc, mesh, hw.CHIP_SPECS["TPU v5"], static, {}, engine_shapes=eng,
+                     engine=engine, lengths=lengths)["sample_round1"]
+
+
+def test_roofline_static_and_continuous_decode_follow_the_lengths():
+  """Equal lengths: static runs 4 calls x L steps, the engine 256 rows / 64 slots x
+  L steps at full utilisation. Long-tailed lengths: each static call runs to its
+  longest row (~ the cap), the engine about total tokens / slots; so the engine's
+  decode is shorter, by about E[max] / mean."""
+  equal = _roofline_calls(hw.ResponseLengths(0.5, 0.5))
+  assert equal["static"]["steps"] == pytest.approx(4 * 500, abs=2)
+  assert equal["continuous"]["steps"] == 4 * 500 and equal["continuous"]["slot_util"] == 1.0
+  assert equal["continuous"]["decode_s"] == pytest.approx(equal["static"]["decode_s"], rel=0.05)
+
+  tail = hw.ResponseLengths(0.1, 1.0)
+  got = _roofline_calls(tail)
+  st, ct = got["static"], got["continuous"]
+  assert st["steps"] == pytest.approx(4 * tail.expected_max(64, 1000))
+  assert st["steps"] > 4 * 800  # a call of 64 rows meets a row near the cap
+  total = 256 * tail.mean(1000)
+  assert ct["steps"] == pytest.approx(total / (64 * ct["slot_util"]), rel=0.01)
+  assert total / 64 <= ct["steps"] <= total / 64 + 1000  # the tail: at most one more longest row
+  assert ct["decode_s"] < st["decode_s"] / 2
+  assert got["total_s"] == ct["total_s"]
+  assert _roofline_calls(tail, engine="static")["total_s"] == st["total_s"]
+  # one slot per row: no refills, the longest row sets the steps, utilisation mean / max
+  one = _roofline_calls(tail, slots=256)["continuous"]
+  assert one["slot_util"] == pytest.approx(tail.mean(1000) / one["steps"], rel=0.01)

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fbos_jax import sampling
 from fbos_jax import sharding as sh
 from fbos_jax.engine import programs
-from fbos_jax.engine.runner import Engine
+from fbos_jax.engine.runner import Engine, pow2_buckets
 from fbos_jax.engine.types import EngineConfig
 from fbos_jax.model import qwen
 
@@ -39,12 +39,23 @@ def abstract_params(cfg: qwen.ModelConfig, mesh, rules):
                       abstract, specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def copies_bucket(eng: Engine, n_per_prompt: int) -> int:
+  """The prefill's page-copy width for prompts of ``n_per_prompt`` samples: a
+  prompt's samples admitted together on one shard (at most slots + staged per
+  shard) share its full pages and each but one gets a private copy of its
+  partial last page (the runner's bucket; 0 when a prompt has one sample)."""
+  most = min(int(n_per_prompt), eng.sps + eng.qs) - 1
+  return min(b for b in pow2_buckets(eng.sps + eng.qs) if b >= most) if most > 0 else 0
+
+
 def abstract_programs(cfg: qwen.ModelConfig, scfg: sampling.SamplingConfig,
                       ecfg: EngineConfig, mesh, rules=None, *, params=None,
-                      logit_bias: bool = False) -> dict:
+                      logit_bias: bool = False, n_per_prompt: int = 0) -> dict:
   """{"engine_window": (fn, args), "engine_prefill": (fn, args)} at the largest
   shapes (see the module docstring). ``params``: abstract params with shardings
-  (default: from the logical ``rules``). Also returns, under "engine", the
+  (default: from the logical ``rules``). ``n_per_prompt``: the samples per prompt
+  of the call (sets the prefill's page copies, :func:`copies_bucket`); 0 = as
+  many copies as a shard has slots. Also returns, under "engine", the
   :class:`~fbos_jax.engine.Engine` whose programs these are (pool size, buckets)."""
   rules = sh.DEFAULT_RULES if rules is None else rules
   eng = Engine(cfg, scfg, ecfg, mesh=mesh, rules=rules, logit_bias=logit_bias)
@@ -80,7 +91,7 @@ def abstract_programs(cfg: qwen.ModelConfig, scfg: sampling.SamplingConfig,
                     rows(q, cfg.vocab_size, dtype=jnp.float32)]
   c = max(eng.prefill_buckets)
   ppb = min(pb, -(-eng.max_prompt // st.page_size))
-  nc = eng.sps
+  nc = copies_bucket(eng, n_per_prompt) if n_per_prompt else eng.sps
   prefill_args = [params, pool, rows(b, c), rows(b), rows(b), rows(b, ppb), rows(b),
                   rows(b, nc)]
   return {"engine_window": (eng._fn("window"), tuple(window_args)),

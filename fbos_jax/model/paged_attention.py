@@ -112,6 +112,9 @@ def attend_xla(q, pages, page_table, q_pos, *, layer=None, dtype=None):
   return out.reshape(b, t, h, dh)
 
 
+KV_BLOCK_VMEM_BYTES = 8 * 2 ** 20  # the kernel's two KV page buffers together
+
+
 def kernel_block_sizes(device_kind: str, q, pages, pages_per_seq: int) -> tuple[int, int]:
   """(kv pages, queries) per kernel block for a program compiled for ``device_kind``
   (e.g. "TPU v5"): the kernel's own tuned table, looked up for the target chip
@@ -125,6 +128,11 @@ def kernel_block_sizes(device_kind: str, q, pages, pages_per_seq: int) -> tuple[
   key = T.simplify_key((q.dtype, pages.dtype, qh, kvh // 2, dh, ps, n_tokens, pages_per_seq))
   name = " ".join(device_kind.split()[:2])
   bkv, bq = (32, 32) if name == "TPU v4" else T.TUNED_BLOCK_SIZES.get(name, {}).get(key, (128, 32))
+  # the kernel double-buffers a block of bkv pages of kvh heads in VMEM: keep it within
+  # KV_BLOCK_VMEM_BYTES (the default 128 pages of 16 tokens x 16 combined heads x 128 in
+  # bf16 is 2 x 8 MiB: for v5e that failed with CompileTimeScopedVmemOom, qwen3_0_6b's plan)
+  per_page = 2 * ps * kvh * pages.shape[-1] * pages.dtype.itemsize
+  bkv = max(1, min(bkv, KV_BLOCK_VMEM_BYTES // per_page))
   return min(pages_per_seq, bkv), min(n_tokens, bq)
 
 

@@ -13,9 +13,13 @@ prompt, a appended EPA rows per prompt)::
     ecc  P * m rows         FAPs              sampling.fap_prompt_buckets
     fcp  P * n rows         <EF>c</EF>q       sampling.fap_prompt_buckets
 
-Sampler calls: round 1 (P prompts x n), round 2 (P*m FAPs x 1, or GOLF's P
-aggregated prompts x m), eval (greedy, and pass@k at temperature 1), each
-chunked by the sampler's batch buckets (:func:`fbos_jax.sampling.call_buckets`).
+Sampler calls (:func:`sampler_calls`): round 1 (P prompts x n), round 2 (P*m
+FAPs x 1, or GOLF's P aggregated prompts x m), eval (greedy, and pass@k at
+temperature 1). The static sampler takes each call in chunks of its batch
+buckets (:func:`sampler_shapes`, :func:`fbos_jax.sampling.call_buckets`); the
+continuous engine (``sampling.engine=continuous``) takes a whole call through
+its ``engine.slots`` slots (:func:`engine_shapes`), and its programs' shapes
+come from the engine config, not from the call's size.
 """
 
 from __future__ import annotations
@@ -38,10 +42,44 @@ class SamplerShape:
   prompt_len: int
   n: int
   sampling: object
+  chunks: tuple = ()  # prompts of every chunk of the call, in order (the largest: prompts)
 
   @property
   def rows(self) -> int:
     return self.prompts * self.n
+
+  @property
+  def max_new_tokens(self) -> int:
+    return int(self.sampling.max_new_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+  """One sampler call on the continuous engine: all ``prompts`` x ``n`` rows of
+  the call go through the engine's ``engine.slots`` slots, under ``sampling``
+  (the call's :class:`fbos_jax.sampling.SamplingConfig`) and ``engine`` (the
+  run's :class:`fbos_jax.engine.EngineConfig`). The engine's programs (decode
+  window, prefill into pages) and its page pool are sized by ``engine``,
+  ``prompt_len`` and ``max_new_tokens`` (``fbos_jax/engine/plan.py``), not by
+  ``prompts``, which only sets how much work the call is."""
+  prompts: int
+  n: int
+  sampling: object
+  engine: object
+
+  @property
+  def rows(self) -> int:
+    return self.prompts * self.n
+
+  @property
+  def slots(self) -> int:
+    return int(self.engine.slots)
+
+  @property
+  def prompt_len(self) -> int:
+    """The longest prompt the pool holds (engine.max_prompt_len, default the
+    largest prompt bucket of the call)."""
+    return int(self.engine.max_prompt_len or max(int(b) for b in self.sampling.prompt_buckets))
 
   @property
   def max_new_tokens(self) -> int:
@@ -104,25 +142,48 @@ def update_shapes(parts: RunParts, batch_shards: int) -> dict:
   return out
 
 
-def sampler_shapes(parts: RunParts, batch_shards: int, *, eval_prompts: int = 0,
-                   eval_k: int = 1) -> dict:
-  """{name: SamplerShape} of the largest sampler programs one step (and the
-  eval, with ``eval_prompts`` > 0) runs: the largest chunk of each call."""
-  from fbos_jax import sampling as sampling_lib
+def sampler_calls(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1) -> dict:
+  """{name: (prompts, samples per prompt, SamplingConfig)} of every sampler call
+  one step (and the eval, with ``eval_prompts`` > 0) makes, whole (not chunked)."""
   spec, sp = parts.rollout, parts.sampling
-
-  def shape(prompts, n, sampling):
-    calls = sampling_lib.call_buckets(prompts, sampling.batch_buckets, batch_shards)
-    return SamplerShape(max(calls), max(sampling.prompt_buckets), n, sampling)
-
-  out = {"sample_round1": shape(spec.prompts_per_step, spec.group_size, sp.round1)}
+  out = {"sample_round1": (spec.prompts_per_step, spec.group_size, sp.round1)}
   if spec.round2:
     if spec.fap_mode == "aggregated":
-      out["sample_round2"] = shape(spec.prompts_per_step, spec.round2_size, sp.round2)
+      out["sample_round2"] = (spec.prompts_per_step, spec.round2_size, sp.round2)
     else:
-      out["sample_round2"] = shape(spec.prompts_per_step * spec.round2_size, 1, sp.round2)
+      out["sample_round2"] = (spec.prompts_per_step * spec.round2_size, 1, sp.round2)
   if eval_prompts > 0:
-    out["eval_greedy"] = shape(eval_prompts, 1, sp.eval)
+    out["eval_greedy"] = (eval_prompts, 1, sp.eval)
     if eval_k > 1:
-      out["eval_sampled"] = shape(eval_prompts, eval_k, sp.eval_sampled)
+      out["eval_sampled"] = (eval_prompts, eval_k, sp.eval_sampled)
   return out
+
+
+def sampler_shapes(parts: RunParts, batch_shards: int, *, eval_prompts: int = 0,
+                   eval_k: int = 1) -> dict:
+  """{name: SamplerShape} of the largest static-sampler programs one step (and
+  the eval, with ``eval_prompts`` > 0) runs: the largest chunk of each call,
+  with every chunk's size in ``chunks``."""
+  from fbos_jax import sampling as sampling_lib
+  out = {}
+  for name, (prompts, n, sampling) in sampler_calls(
+      parts, eval_prompts=eval_prompts, eval_k=eval_k).items():
+    calls = tuple(sampling_lib.call_buckets(prompts, sampling.batch_buckets, batch_shards))
+    out[name] = SamplerShape(max(calls), max(sampling.prompt_buckets), n, sampling, calls)
+  return out
+
+
+def engine_config(parts: RunParts):
+  """The run's :class:`fbos_jax.engine.EngineConfig` (``config.engine``; its
+  defaults when the parts were built without that section)."""
+  from fbos_jax.engine import EngineConfig
+  return parts.sampling.engine_config or EngineConfig()
+
+
+def engine_shapes(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1) -> dict:
+  """{name: EngineShape} of the same calls as :func:`sampler_shapes` on the
+  continuous engine (whole calls: the engine has no batch buckets)."""
+  ecfg = engine_config(parts)
+  return {name: EngineShape(prompts, n, sampling, ecfg)
+          for name, (prompts, n, sampling) in sampler_calls(
+              parts, eval_prompts=eval_prompts, eval_k=eval_k).items()}
