@@ -41,13 +41,12 @@ line is JSON: ``{"long_tail": {"static_tok_s", "continuous_tok_s", "ratio",
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
+from absl import app, flags
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -60,26 +59,24 @@ MODEL = dict(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_s
              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0)
 
 
-def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--prompts", type=int, default=256)
-  ap.add_argument("--n", type=int, default=4, help="samples per prompt")
-  ap.add_argument("--slots", type=int, default=32, help="rows decoding at once (both samplers)")
-  ap.add_argument("--max_new_tokens", type=int, default=160)
-  ap.add_argument("--median_len", type=float, default=12.0)
-  ap.add_argument("--sigma", type=float, default=1.0)
-  ap.add_argument("--window", type=int, default=32, help="engine.window")
-  ap.add_argument("--page_size", type=int, default=16)
-  ap.add_argument("--refill_fraction", type=float, default=0.125)
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--eos_scale", type=float, default=15.0, help="two_round: EOS row scale")
-  ap.add_argument("--two_round_max_new_tokens", type=int, default=128)
-  ap.add_argument("--two_round_slots", type=int, default=64)
-  ap.add_argument("--two_round_window", type=int, default=8)
-  ap.add_argument("--warmups", type=int, default=3, help="two_round: untimed runs each first")
-  ap.add_argument("--workloads", default="long_tail,two_round")
-  return ap.parse_args(argv)
+_F = flags.FLAGS
+flags.DEFINE_integer("prompts", 256, "long_tail: prompts")
+flags.DEFINE_integer("n", 4, "long_tail: samples per prompt")
+flags.DEFINE_integer("slots", 32, "long_tail: rows decoding at once (both samplers)")
+flags.DEFINE_integer("max_new_tokens", 160, "long_tail: the length cap")
+flags.DEFINE_float("median_len", 12.0, "long_tail: median of the per-prompt mean length")
+flags.DEFINE_float("sigma", 1.0, "long_tail: lognormal sigma of the mean length")
+flags.DEFINE_integer("window", 32, "long_tail: engine.window")
+flags.DEFINE_integer("page_size", 16, "long_tail: engine.page_size")
+flags.DEFINE_float("refill_fraction", 0.125, "long_tail: engine.refill_fraction")
+flags.DEFINE_integer("repeats", 3, "timed runs per side (the median is reported)")
+flags.DEFINE_integer("seed", 0, "model, prompts and keys")
+flags.DEFINE_float("eos_scale", 15.0, "two_round: EOS embedding row scale")
+flags.DEFINE_integer("two_round_max_new_tokens", 128, "two_round: sampling.max_new_tokens")
+flags.DEFINE_integer("two_round_slots", 64, "two_round: engine.slots")
+flags.DEFINE_integer("two_round_window", 8, "two_round: engine.window")
+flags.DEFINE_integer("warmups", 3, "two_round: untimed runs of each side first")
+flags.DEFINE_list("workloads", ["long_tail", "two_round"], "which workloads to run")
 
 
 def build(args):
@@ -156,8 +153,9 @@ def two_round(args) -> dict:
           "rows_beside_round1": m["rollout/round2_rows_beside_round1"]}
 
 
-def main(argv=None):
-  args = parse_args(argv)
+def main(argv):
+  del argv
+  args = _F
   out = {}
   if "long_tail" in args.workloads:
     out["long_tail"] = long_tail(args)
@@ -245,4 +243,4 @@ def long_tail(args) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

@@ -36,18 +36,17 @@ largest vocabulary-sized buffer's rows; the check passes when it is <= the batch
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+from absl import app, flags
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -59,30 +58,25 @@ MODEL = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=4, num_attentio
              num_key_value_heads=2, head_dim=64, intermediate_size=768)
 
 
-def parse_args(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--batch", type=int, default=16)
-  ap.add_argument("--prompt_len", type=int, default=32)
-  ap.add_argument("--new_tokens", type=int, default=128)
-  ap.add_argument("--long_new_tokens", type=int, default=512,
-                  help="second length for the cost-per-token growth figure")
-  ap.add_argument("--repeats", type=int, default=5)
-  ap.add_argument("--threads", type=int, default=2, help="torch threads for transformers")
-  ap.add_argument("--layer_loop", default="auto", choices=sampling.LAYER_LOOPS)
-  ap.add_argument("--scan_row", action=argparse.BooleanOptionalAction, default=True,
-                  help="also time layer_loop='scan' (greedy)")
-  ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                  help="also time a bfloat16 model (greedy)")
-  ap.add_argument("--skip_hf", action="store_true")
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--model", default="", help="a local HF Qwen2/Qwen3 checkpoint directory "
-                  "(float32); default: the tiny random model above")
-  ap.add_argument("--real_vocab", action="store_true",
-                  help="build a random real-shape Qwen3 (vocab 151,936) in a temp dir and use it")
-  args = ap.parse_args(argv)
-  if args.model and args.real_vocab:
-    ap.error("--model and --real_vocab are exclusive")
-  return args
+_F = flags.FLAGS
+flags.DEFINE_integer("batch", 16, "prompts per call")
+flags.DEFINE_integer("prompt_len", 32, "prompt tokens")
+flags.DEFINE_integer("new_tokens", 128, "new tokens per row")
+flags.DEFINE_integer("long_new_tokens", 512, "second length for the cost-per-token growth figure")
+flags.DEFINE_integer("repeats", 5, "timed runs (the median is reported)")
+flags.DEFINE_integer("threads", 2, "torch threads for transformers")
+flags.DEFINE_enum("layer_loop", "auto", list(sampling.LAYER_LOOPS), "sampling.layer_loop")
+flags.DEFINE_bool("scan_row", True, "also time layer_loop='scan' (greedy)")
+flags.DEFINE_bool("bf16", True, "also time a bfloat16 model (greedy)")
+flags.DEFINE_bool("skip_hf", False, "do not time transformers' generate")
+flags.DEFINE_integer("seed", 0, "model and prompts")
+flags.DEFINE_string("model", "", "a local HF Qwen2/Qwen3 checkpoint directory (float32); "
+                    "default: the tiny random model above")
+flags.DEFINE_bool("real_vocab", False,
+                  "build a random real-shape Qwen3 (vocab 151,936) in a temp dir and use it")
+flags.register_multi_flags_validator(
+    ["model", "real_vocab"], lambda f: not (f["model"] and f["real_vocab"]),
+    message="--model and --real_vocab are exclusive")
 
 
 def median_time(fn, repeats: int) -> tuple[float, list]:
@@ -233,8 +227,9 @@ def load_model(args, tmp: str):
   return model, params, cfg, "tiny"
 
 
-def main(argv=None):
-  args = parse_args(argv)
+def main(argv):
+  del argv
+  args = _F
   import torch
   import transformers
 
@@ -345,4 +340,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)
