@@ -65,3 +65,11 @@ def parse_flags(argv):
                      f"({type(e).__name__}: {e}); overrides given: {' '.join(overrides) or '-'}. "
                      "The fields and their defaults are in configs/base.py.\n")
     sys.exit(1)
+
+
+def define_console_verbosity():
+  """The launchers' ``--console_verbosity`` flag (one definition): the console's log
+  level; the full log always goes to ``WORKDIR/log.txt`` (``fbos_jax/console.py``)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  return flags.DEFINE_string("console_verbosity", "warning", "Console log level (debug | info "
+                             "| warning | error); the full log always goes to WORKDIR/log.txt.")

@@ -74,6 +74,7 @@ flags.DEFINE_bool("resummarize", False, "Rebuild compare.md / compare.png / the 
                   "compare.json from the runs already in WORKDIR/compare.json (no training).")
 flags.DEFINE_string("task", "", "Override data.task (e.g. arithmetic).")
 flags.DEFINE_multi_string("set", [], "Extra overrides for every run, e.g. --set=rl.terms.ecc.weight=0.5")
+_CONSOLE_VERBOSITY = cli.define_console_verbosity()
 FLAGS = flags.FLAGS
 
 
@@ -521,6 +522,8 @@ def main(argv):
   del argv
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required")
+  from fbos_jax import console  # pylint: disable=g-import-not-at-top
+  console.setup_logging(FLAGS.workdir, verbosity=_CONSOLE_VERBOSITY.value)
   if FLAGS.resummarize:
     with open(os.path.join(FLAGS.workdir, "compare.json")) as f:
       data = json.load(f)

@@ -17,15 +17,14 @@ flags.DEFINE_integer("k", 1, "pass@k with k samples per prompt at temperature 1 
 flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = latest).")
 flags.DEFINE_string("init_from_hf", "", "The HF checkpoint directory the run started from (as "
                     "in train.py): model fields and tokenizer come from it.")
-flags.DEFINE_string("console_verbosity", "warning", "Console log level; the full log is "
-                    "appended to WORKDIR/log.txt.")
+_CONSOLE_VERBOSITY = cli.define_console_verbosity()
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
   from fbos_jax import console
-  console.setup_logging(FLAGS.workdir, verbosity=FLAGS.console_verbosity)
+  console.setup_logging(FLAGS.workdir, verbosity=_CONSOLE_VERBOSITY.value)
   from fbos_jax.model.hf import CheckpointError
   from fbos_jax.rl import evaluation
   try:

@@ -26,15 +26,14 @@ flags.DEFINE_string("init_from_hf", "", "The HF checkpoint directory the run sta
 flags.DEFINE_integer("check_greedy", 0, "After exporting, reload the export with transformers "
                      "and check that its greedy generation on this many held-out prompts equals "
                      "our sampler's, token for token (float32 on both sides; needs torch).")
-flags.DEFINE_string("console_verbosity", "warning", "Console log level; the full log is "
-                    "appended to WORKDIR/log.txt.")
+_CONSOLE_VERBOSITY = cli.define_console_verbosity()
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
   from fbos_jax import console
-  console.setup_logging(FLAGS.workdir, verbosity=FLAGS.console_verbosity)
+  console.setup_logging(FLAGS.workdir, verbosity=_CONSOLE_VERBOSITY.value)
   from fbos_jax.model.hf import CheckpointError
   from fbos_jax.rl import export as export_lib
   try:

@@ -33,8 +33,7 @@ flags.DEFINE_integer("process_id", -1, "This process's id (multi-process GPU/CPU
 flags.DEFINE_integer("distributed_timeout_s", 300, "Give up connecting to the coordinator after this.")
 flags.DEFINE_bool("allow_config_change", False, "Resume a workdir whose checkpoint was written "
                   "with a config that differs in a field that matters (named in the error).")
-flags.DEFINE_string("console_verbosity", "warning", "Console log level (debug | info | warning "
-                    "| error); the full log always goes to WORKDIR/log.txt.")
+_CONSOLE_VERBOSITY = cli.define_console_verbosity()
 FLAGS = flags.FLAGS
 
 
@@ -70,7 +69,7 @@ def main(argv):
                          timeout_s=FLAGS.distributed_timeout_s)
   import jax
   pi = jax.process_index()
-  console.setup_logging(FLAGS.workdir, verbosity=FLAGS.console_verbosity,
+  console.setup_logging(FLAGS.workdir, verbosity=_CONSOLE_VERBOSITY.value,
                         filename="log.txt" if pi == 0 else f"log.{pi}.txt")
   from fbos_jax.rl import run
   run.run_training(config, FLAGS.workdir, init_from_hf=FLAGS.init_from_hf, plot=FLAGS.plot,
