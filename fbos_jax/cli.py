@@ -73,3 +73,27 @@ def define_console_verbosity():
   from absl import flags  # pylint: disable=g-import-not-at-top
   return flags.DEFINE_string("console_verbosity", "warning", "Console log level (debug | info "
                              "| warning | error); the full log always goes to WORKDIR/log.txt.")
+
+
+def define_checkpoint_flags():
+  """The flags of a launcher that reads a trained run (eval, export), defined once:
+  ``--config``, ``--workdir``, ``--step``, ``--init_from_hf`` and ``--console_verbosity``.
+  Returns the config flag's holder (``.value``: the ConfigDict with overrides)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  config = config_flags.DEFINE_config_file("config", None,
+                                           "Config file, e.g. configs/fbos.py:tiny")
+  flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.")
+  flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = latest).")
+  flags.DEFINE_string("init_from_hf", "", "The HF checkpoint directory the run started from "
+                      "(as in train.py): model fields and tokenizer come from it.")
+  define_console_verbosity()
+  return config
+
+
+def setup_console_from_flags():
+  """``fbos_jax.console.setup_logging`` for ``--workdir`` at ``--console_verbosity``."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from fbos_jax import console  # pylint: disable=g-import-not-at-top
+  f = flags.FLAGS
+  console.setup_logging(f.workdir, verbosity=f.console_verbosity)

@@ -308,6 +308,56 @@ def _normalize(record: Any, where: str, cfg, forbidden: tuple[str, ...] = ()) ->
   return ex
 
 
+def _json_lines(path: str, name: str):
+  """(where, record or the error, default id) of each non-blank line of a JSONL file."""
+  import fsspec  # pylint: disable=g-import-not-at-top
+
+  with fsspec.open(path, "rb") as f:
+    data = f.read()
+  for lineno, line in enumerate(data.splitlines(), start=1):
+    if not line.strip():
+      continue  # blank lines (e.g. at the end) are not records
+    where = f"{path}:{lineno}"
+    try:
+      record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      record = MalformedRecordError(f"{where}: malformed JSON ({e})")
+    yield where, record, f"{name}:{lineno}"
+
+
+def _parquet_rows(path: str, name: str):
+  """(where, record, default id) of each row of a Parquet file."""
+  import fsspec  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+
+  with fsspec.open(path, "rb") as f:
+    rows = pq.read_table(f).to_pylist()
+  for i, record in enumerate(rows):
+    yield f"{path}:row {i}", record, f"{name}:{i}"
+
+
+def _read_records(records, cfg, problems: list | None,
+                  forbidden: tuple[str, ...]) -> tuple[list[dict], int]:
+  """Normalized examples from ``(where, record, default id)`` triples, and the count of
+  malformed ones skipped (``data.on_malformed=skip``; otherwise the first one raises)."""
+  out, skipped = [], 0
+  for where, record, default_id in records:
+    try:
+      if isinstance(record, MalformedRecordError):
+        raise record
+      ex = _normalize(record, where, cfg, forbidden)
+      if record.get(cfg.id_field) is None:
+        ex["id"] = default_id
+      out.append(ex)
+    except MalformedRecordError as e:
+      if cfg.on_malformed != "skip":
+        raise
+      skipped += 1
+      if problems is not None:
+        problems.append(str(e))
+  return out, skipped
+
+
 def read_jsonl(path: str, cfg, problems: list | None = None,
                forbidden: tuple[str, ...] = ()) -> tuple[list[dict], int]:
   """Reads one JSONL file -> (examples, malformed lines skipped).
@@ -315,57 +365,15 @@ def read_jsonl(path: str, cfg, problems: list | None = None,
   ``problems`` (optional) collects the skipped lines' error messages;
   ``forbidden``: the texts a record may not hold (``_normalize``).
   """
-  import fsspec  # pylint: disable=g-import-not-at-top
-
-  with fsspec.open(path, "rb") as f:
-    data = f.read()
   name = os.path.basename(path.rstrip("/"))
-  out, skipped = [], 0
-  for lineno, line in enumerate(data.splitlines(), start=1):
-    if not line.strip():
-      continue  # blank lines (e.g. at the end) are not records
-    where = f"{path}:{lineno}"
-    try:
-      try:
-        record = json.loads(line)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MalformedRecordError(f"{where}: malformed JSON ({e})") from None
-      ex = _normalize(record, where, cfg, forbidden)
-      if cfg.id_field not in record:
-        ex["id"] = f"{name}:{lineno}"
-      out.append(ex)
-    except MalformedRecordError as e:
-      if cfg.on_malformed != "skip":
-        raise
-      skipped += 1
-      if problems is not None:
-        problems.append(str(e))
-  return out, skipped
+  return _read_records(_json_lines(path, name), cfg, problems, forbidden)
 
 
 def read_parquet(path: str, cfg, problems: list | None = None,
                  forbidden: tuple[str, ...] = ()) -> tuple[list[dict], int]:
   """Reads one Parquet file -> (examples, malformed rows skipped)."""
-  import fsspec  # pylint: disable=g-import-not-at-top
-  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-
-  with fsspec.open(path, "rb") as f:
-    rows = pq.read_table(f).to_pylist()
   name = os.path.basename(path.rstrip("/"))
-  out, skipped = [], 0
-  for i, record in enumerate(rows):
-    try:
-      ex = _normalize(record, f"{path}:row {i}", cfg, forbidden)
-      if cfg.id_field not in record or record.get(cfg.id_field) is None:
-        ex["id"] = f"{name}:{i}"
-      out.append(ex)
-    except MalformedRecordError as e:
-      if cfg.on_malformed != "skip":
-        raise
-      skipped += 1
-      if problems is not None:
-        problems.append(str(e))
-  return out, skipped
+  return _read_records(_parquet_rows(path, name), cfg, problems, forbidden)
 
 
 def load_records(cfg, path: str | None = None, *,

@@ -75,6 +75,7 @@ flags.DEFINE_bool("resummarize", False, "Rebuild compare.md / compare.png / the 
 flags.DEFINE_string("task", "", "Override data.task (e.g. arithmetic).")
 flags.DEFINE_multi_string("set", [], "Extra overrides for every run, e.g. --set=rl.terms.ecc.weight=0.5")
 _CONSOLE_VERBOSITY = cli.define_console_verbosity()
+flags.adopt_module_key_flags(cli)  # the shared flags in --helpshort
 FLAGS = flags.FLAGS
 
 

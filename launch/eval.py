@@ -9,22 +9,16 @@ from fbos_jax import cli
 import json
 
 from absl import app, flags
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/fbos.py:tiny")
-flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.")
+_CONFIG = cli.define_checkpoint_flags()
 flags.DEFINE_integer("k", 1, "pass@k with k samples per prompt at temperature 1 (1 = greedy only).")
-flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = latest).")
-flags.DEFINE_string("init_from_hf", "", "The HF checkpoint directory the run started from (as "
-                    "in train.py): model fields and tokenizer come from it.")
-_CONSOLE_VERBOSITY = cli.define_console_verbosity()
+flags.adopt_module_key_flags(cli)  # the shared flags in --helpshort
 FLAGS = flags.FLAGS
 
 
 def main(argv):
   del argv
-  from fbos_jax import console
-  console.setup_logging(FLAGS.workdir, verbosity=_CONSOLE_VERBOSITY.value)
+  cli.setup_console_from_flags()
   from fbos_jax.model.hf import CheckpointError
   from fbos_jax.rl import evaluation
   try:

@@ -34,6 +34,7 @@ flags.DEFINE_integer("distributed_timeout_s", 300, "Give up connecting to the co
 flags.DEFINE_bool("allow_config_change", False, "Resume a workdir whose checkpoint was written "
                   "with a config that differs in a field that matters (named in the error).")
 _CONSOLE_VERBOSITY = cli.define_console_verbosity()
+flags.adopt_module_key_flags(cli)  # the shared flags in --helpshort
 FLAGS = flags.FLAGS
 
 
