@@ -45,6 +45,11 @@ class DecodeError(ValueError):
   """A sampled id the tokenizer does not have (never silently dropped)."""
 
 
+# what a user does about a prompt too long for its budget (every such error says it)
+OVER_LONG_HINT = ("raise the budget, or drop such records at load with "
+                  "--config.data.max_prompt_tokens=N (data.over_long=filter)")
+
+
 class RolloutContext:
   """Everything the host side of a step needs, built once (see the module doc)."""
 
@@ -108,22 +113,27 @@ class RolloutContext:
     (``rl.prompt=fcp``). A prompt too long for the template budget or the
     largest round-1 prompt bucket raises, naming the record (file:line and id)
     and the fields that decide it."""
+    return self.checked_prompt_ids(
+        example, max(self.parts.sampling.round1.prompt_buckets),
+        conditional=self.spec.prompt == "fcp", positive_feedback=self.spec.fcp_positive_feedback)
+
+  def checked_prompt_ids(self, example, longest: int, *, conditional: bool = False,
+                         positive_feedback: str = "correct", who: str = "",
+                         buckets_field: str = "sampling.prompt_buckets") -> list:
+    """q's ids (``conditional``: the FCP prompt with ``positive_feedback``), or a
+    BucketError naming the record (file:line and id) when it does not fit the
+    template budget or ``longest`` tokens (the largest of ``buckets_field``)."""
     from fbos_jax import data as data_lib
-    longest = max(self.parts.sampling.round1.prompt_buckets)
-    hint = ("raise the budget, or drop such records at load with "
-            "--config.data.max_prompt_tokens=N (data.over_long=filter)")
+    hint = OVER_LONG_HINT
+    where = f"{who}the prompt of {data_lib.locate(example)}"
     try:
-      if self.spec.prompt == "fcp":
-        ids = self.prompts.fcp(example["prompt"], self.spec.fcp_positive_feedback).token_ids
-      else:
-        ids = self.prompts.plain(example["prompt"]).token_ids
+      ids = (self.prompts.fcp(example["prompt"], positive_feedback) if conditional
+             else self.prompts.plain(example["prompt"])).token_ids
     except templates.PromptTooLongError as e:
-      raise buckets.BucketError(f"the prompt of {data_lib.locate(example)}: {e} "
-                                f"(templates.max_prompt_tokens); {hint}") from None
+      raise buckets.BucketError(f"{where}: {e} (templates.max_prompt_tokens); {hint}") from None
     if len(ids) > longest:
-      raise buckets.BucketError(
-          f"the prompt of {data_lib.locate(example)} has {len(ids)} tokens, more than the "
-          f"largest sampling.prompt_buckets={longest}; {hint}")
+      raise buckets.BucketError(f"{where} has {len(ids)} tokens, more than the largest "
+                                f"{buckets_field}={longest}; {hint}")
     return ids
 
   # ----------------------------------------------------------------- text

@@ -77,6 +77,7 @@ from fbos_jax import tasks as tasks_lib
 from fbos_jax import templates
 from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import config as config_lib
+from fbos_jax.rl import context as context_lib
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl import update as update_lib
 
@@ -145,8 +146,9 @@ def demonstration_rows(ctx, examples, *, conditional: bool, rng: random.Random,
       try:
         fap = ctx.prompts.fap(ex["prompt"], wrong[i], w[1])
       except templates.PromptTooLongError as e:  # templates.truncation=error, or no room
-        raise buckets.BucketError(f"SFT: the correction prompt of {data_lib.locate(ex)}: {e} "
-                                  f"(templates.max_prompt_tokens); {_OVER_LONG_HINT}") from None
+        raise buckets.BucketError(
+            f"SFT: the correction prompt of {data_lib.locate(ex)}: {e} "
+            f"(templates.max_prompt_tokens); {context_lib.OVER_LONG_HINT}") from None
       corr[0].append(fap.token_ids)
       corr[1].append(templates.encode_plain(ctx.tokenizer, solutions[i]) + [eos])
       n_own += int(failures is not None and i < len(failures) and failures[i] is not None)
@@ -279,27 +281,15 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
   return state.params, history
 
 
-_OVER_LONG_HINT = ("raise the budget, or drop such records at load with "
-                   "--config.data.max_prompt_tokens=N (data.over_long=filter)")
-
-
 def check_prompt_lengths(ctx, examples, longest: int, *, conditional: bool = False,
                          positive_feedback: str = "correct"):
   """Raise a BucketError naming the record (``file:line`` and id, as the RL
   rollout's ``prompt_ids`` does) when an example's prompt does not fit the
   template budget or the largest prompt bucket ``longest``."""
   for ex in examples:
-    try:
-      ids = (ctx.prompts.fcp(ex["prompt"], positive_feedback) if conditional
-             else ctx.prompts.plain(ex["prompt"])).token_ids
-    except templates.PromptTooLongError as e:
-      raise buckets.BucketError(f"SFT: the prompt of {data_lib.locate(ex)}: {e} "
-                                f"(templates.max_prompt_tokens); {_OVER_LONG_HINT}") from None
-    if len(ids) > longest:
-      raise buckets.BucketError(
-          f"SFT: the prompt of {data_lib.locate(ex)} has {len(ids)} tokens, more than the "
-          f"largest sampling.prompt_buckets / sampling.fap_prompt_buckets={longest}; "
-          f"{_OVER_LONG_HINT}")
+    ctx.checked_prompt_ids(ex, longest, conditional=conditional,
+                           positive_feedback=positive_feedback, who="SFT: ",
+                           buckets_field="sampling.prompt_buckets / sampling.fap_prompt_buckets")
 
 
 class _BatchBuilder:
