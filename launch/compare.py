@@ -128,6 +128,11 @@ def fix_buckets(rows_lists) -> tuple:
   return tuple(sorted(names, key=low))
 
 
+def arm_config_arg(arm: Arm, variant: str) -> str:
+  """The config argument of an arm: ``variant`` and its flavors (``tiny_chain,fap_all``)."""
+  return f"{variant},{arm.flavors}" if arm.flavors else variant
+
+
 def load_config(name, arg):
   """configs/<name>.py:<arg>, through the one config loader."""
   return configs.load(f"{name}:{arg}")
