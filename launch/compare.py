@@ -263,8 +263,10 @@ def summarize(results, sft_len, budget=None):
     elr = float("nan")
     if base_len - sft_len != 0:
       elr = float((base_len - np.mean(ln)) / (base_len - sft_len))
-    ratio = float(np.nanmean(base_reach) / np.nanmean(reach)) if np.isfinite(np.nanmean(reach)) \
-        and not np.all(np.isnan(reach)) else float("nan")
+    # n/a when no seed reached it, or when it was reached at the warm start (0 rollouts)
+    reached = [x for x in reach if np.isfinite(x)]
+    ratio = (float(np.nanmean(base_reach) / np.mean(reached))
+             if reached and np.mean(reached) > 0 else float("nan"))
     t = {"final_accuracy": _stat(fin), "final_sampled_accuracy": _stat(fin_s),
          "mean_accuracy_over_budget": _stat(auc), "rollouts_to_grpo_final": _stat(reach),
          "sample_efficiency_vs_grpo": ratio,
