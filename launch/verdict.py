@@ -129,10 +129,13 @@ def verdict(data: dict, reference: str) -> dict:
 
 
 def _ms(xs) -> str:
+  """mean ± sd (ddof 1) of the defined values; integers without decimals."""
   xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
   if not xs:
     return "n/a"
-  return f"{np.mean(xs):.3f} ± {np.std(xs, ddof=1):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+  f = ",.0f" if all(isinstance(x, int) for x in xs) else ".3f"
+  return (f"{np.mean(xs):{f}} ± {np.std(xs, ddof=1):{f}}" if len(xs) > 1
+          else f"{xs[0]:{f}}")
 
 
 def markdown(v: dict) -> str:
