@@ -42,7 +42,6 @@ line is JSON: ``{"long_tail": {"static_tok_s", "continuous_tok_s", "ratio",
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 
@@ -127,7 +126,7 @@ def two_round(args) -> dict:
   examples = next(data_lib.make_prompt_iterator(c.data, batch_size=parts.rollout.prompts_per_step,
                                                 process_index=0, process_count=1, seed=args.seed))
   key = state_lib.stream_key(state.rng, "sample", 0)
-  runs, metrics = {False: [], True: []}, {}
+  runs, metrics, engine_stats = {False: [], True: []}, {}, {False: [], True: []}
   for _ in range(args.warmups):  # warm-up: compiles (the streamed run's buckets vary)
     for stream in (False, True):
       rollout.rollout_step(ctxs[stream], params, examples, key)
@@ -136,6 +135,7 @@ def two_round(args) -> dict:
       t0 = time.perf_counter()
       _, metrics[stream], _ = rollout.rollout_step(ctxs[stream], params, examples, key)
       runs[stream].append(time.perf_counter() - t0)
+      engine_stats[stream].append(ctxs[stream].engine_stats.as_dict())
   for ctx in ctxs.values():
     ctx.close()
   barrier, streamed = statistics.median(runs[False]), statistics.median(runs[True])
@@ -146,6 +146,12 @@ def two_round(args) -> dict:
         f"{m['rollout/round2_rows_beside_round1']:.0f} of {m['round2/rollouts']}")
   print(f"{'barrier':<12} {barrier:8.2f} s   runs " + " ".join(f"{w:.2f}" for w in runs[False]))
   print(f"{'streamed':<12} {streamed:8.2f} s   runs " + " ".join(f"{w:.2f}" for w in runs[True]))
+  for stream, name in ((False, "barrier"), (True, "streamed")):  # where the time goes
+    st = engine_stats[stream][len(engine_stats[stream]) // 2]
+    print(f"  {name}: {st['windows']} windows, {st['slot_steps']} slot-steps "
+          f"(util {st['slot_util']:.1%}), {st['prefills']} prefill calls; in the engine "
+          f"{st['wall_s']:.2f} s, of which windows {st['window_s']:.2f} s, waiting on "
+          f"verdicts {st['verify_wait_s']:.2f} s")
   print(f"streamed / barrier: {streamed / barrier:.2f}x the rollout wall time")
   same = metrics[False]["tokens/generated"] == m["tokens/generated"]
   return {"barrier_s": barrier, "streamed_s": streamed, "ratio": streamed / barrier,

@@ -72,6 +72,9 @@ flags.DEFINE_bool("feedback_probe", True, "Also run the feedback-reading probe "
 flags.DEFINE_string("note", "", "What else shared the machine (written into every output).")
 flags.DEFINE_bool("resummarize", False, "Rebuild compare.md / compare.png / the table in "
                   "compare.json from the runs already in WORKDIR/compare.json (no training).")
+flags.DEFINE_bool("resume", False, "Keep the finished runs of WORKDIR/compare.json (a partial "
+                  "comparison that was stopped) and run only the missing ones; refused when "
+                  "the variant, arms or budget differ.")
 flags.DEFINE_string("task", "", "Override data.task (e.g. arithmetic).")
 flags.DEFINE_multi_string("set", [], "Extra overrides for every run, e.g. --set=rl.terms.ecc.weight=0.5")
 _CONSOLE_VERBOSITY = cli.define_console_verbosity()
@@ -539,7 +542,7 @@ def main(argv):
                   data["wall_seconds"], meta={k: data[k] for k in ("command", "note", "machine",
                                                                   "variant", "arms", "probes",
                                                                   "warm_starts", "equal_steps",
-                                                                  "partial")
+                                                                  "partial", "resumed")
                                               if k in data})
     return
   t_start = time.perf_counter()
@@ -573,9 +576,12 @@ def main(argv):
   eval_every = FLAGS.eval_every or (2 if FLAGS.quick else 5)
   max_steps = reference_steps(budget, FLAGS.variant, FLAGS.quick)
   meta["equal_steps"] = max_steps
-  results = []
+  results = resumed_runs(FLAGS.workdir, meta, labels, seeds, budget) if FLAGS.resume else []
+  done_runs = {(r["label"], r["seed"]) for r in results}
+  t_start -= meta.get("resumed", {}).get("wall_seconds_before", 0.0)  # wall of the whole comparison
   from tqdm.auto import tqdm
-  bar = tqdm([(l, s) for s in seeds for l in labels], desc="compare", dynamic_ncols=True)
+  bar = tqdm([(l, s) for s in seeds for l in labels if (l, s) not in done_runs],
+             desc="compare", dynamic_ncols=True)
   for label, seed in bar:
     bar.set_postfix(run=f"{label} s{seed}")
     res = run_one(label, ARMS[label], seed, sft_params[seed], budget, max_steps, eval_every,
@@ -592,6 +598,28 @@ def main(argv):
   meta["machine"]["end"] = machine_state()
   write_outputs(results, sft_evals[seeds[0]], budget, len(seeds),
                 time.perf_counter() - t_start, meta=meta)
+
+
+def resumed_runs(workdir, meta, labels, seeds, budget) -> list:
+  """The finished runs of ``workdir/compare.json`` that this comparison would run
+  again; ``meta`` records which were kept. Refuses a file from another comparison
+  (variant, arm definitions or budget differ) rather than mixing the two."""
+  path = os.path.join(workdir, "compare.json")
+  if not os.path.exists(path):
+    raise app.UsageError(f"--resume: {path} does not exist")
+  with open(path) as f:
+    old = json.load(f)
+  for field, now in (("variant", meta["variant"]), ("budget_rollouts", budget)):
+    if old.get(field) != now:
+      raise app.UsageError(f"--resume: {path} has {field}={old.get(field)!r}, this run {now!r}")
+  for label in labels:
+    if label in old.get("arms", {}) and old["arms"][label] != json.loads(json.dumps(meta["arms"][label])):
+      raise app.UsageError(f"--resume: arm {label!r} in {path} is defined differently now")
+  kept = [r for r in old["runs"] if r["label"] in labels and r["seed"] in seeds]
+  meta["resumed"] = {"from": old.get("command"), "wall_seconds_before": old["wall_seconds"],
+                     "kept_runs": [f"{r['label']} s{r['seed']}" for r in kept]}
+  logging.info("--resume: keeping %d finished runs from %s", len(kept), path)
+  return kept
 
 
 def write_outputs(results, sft_eval, budget, seeds, wall, meta=None, quiet=False):
@@ -618,6 +646,9 @@ def write_outputs(results, sft_eval, budget, seeds, wall, meta=None, quiet=False
   if meta.get("partial"):
     header.insert(0, f"**PARTIAL: {meta['partial']} so far** (the comparison was still running "
                      "or was stopped; the seeds and arms below are those that finished).")
+  if meta.get("resumed"):
+    header.append(f"Resumed (`--resume`) after a stop: kept {', '.join(meta['resumed']['kept_runs'])}"
+                  " from the first invocation; the wall time includes both.")
   arms = meta.get("arms", {})
   if arms:
     header.append("Arms: " + "; ".join(

@@ -74,6 +74,35 @@ def test_partial_outputs_say_so(tmp_path):
   assert "PARTIAL" not in (tmp_path / "compare.md").read_text()
 
 
+def test_resume_keeps_finished_runs_and_refuses_another_comparison(tmp_path):
+  """--resume keeps the finished runs of this comparison (and only the requested
+  ones), and refuses a compare.json of another variant or budget, or with an arm
+  defined differently, instead of mixing the two."""
+  cmp = _compare_module()
+  cmp.FLAGS(["compare", f"--workdir={tmp_path}"])
+  arms = {l: __import__("dataclasses").asdict(cmp.ARMS[l]) for l in ("grpo", "fbos")}
+  results = [{"label": l, "seed": s, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"}
+             for l, s in (("grpo", 0), ("fbos", 0), ("grpo", 1))]
+  sft = {"eval/accuracy": 0.5, "eval/length": 8.0}
+  cmp.write_outputs(results, sft, 256, 2, 60.0, quiet=True,
+                    meta={"variant": "tiny_chain", "arms": arms, "partial": "3 of 4 runs"})
+  meta = {"variant": "tiny_chain", "arms": dict(arms)}
+  kept = cmp.resumed_runs(str(tmp_path), meta, ["grpo", "fbos"], [0, 1], 256)
+  assert [(r["label"], r["seed"]) for r in kept] == [("grpo", 0), ("fbos", 0), ("grpo", 1)]
+  assert meta["resumed"]["wall_seconds_before"] == 60.0
+  kept = cmp.resumed_runs(str(tmp_path), dict(meta), ["fbos"], [0], 256)
+  assert [(r["label"], r["seed"]) for r in kept] == [("fbos", 0)]
+  with pytest.raises(cmp.app.UsageError, match="variant"):
+    cmp.resumed_runs(str(tmp_path), dict(meta, variant="tiny"), ["grpo"], [0], 256)
+  with pytest.raises(cmp.app.UsageError, match="budget_rollouts"):
+    cmp.resumed_runs(str(tmp_path), dict(meta), ["grpo"], [0], 512)
+  other = dict(arms, fbos=dict(arms["fbos"], flavors="fap_all"))
+  with pytest.raises(cmp.app.UsageError, match="arm 'fbos'"):
+    cmp.resumed_runs(str(tmp_path), dict(meta, arms=other), ["fbos"], [0], 256)
+  with pytest.raises(cmp.app.UsageError, match="does not exist"):
+    cmp.resumed_runs(str(tmp_path / "nowhere"), dict(meta), ["grpo"], [0], 256)
+
+
 def test_summary_pools_fix_rates_and_labels_equal_step_arms():
   """The summary's fix rate per bucket is pooled over rows (a step with 1 row does
   not weigh like a step with 9), and equal-steps arms are labelled in every table."""
