@@ -190,6 +190,9 @@ VARIANTS = {
             # (--dry_run --topology=v5p:2x4x4; roofline: step >= 25.1 s vs 27.9 s static)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
+            # split for the asynchronous loop (rl.rollout_devices=16 of 32): the rollout
+            # mesh's 16 chips on 8 hosts need 8 batch shards, one per host, for the engine
+            "rl.rollout_mesh.tensor": 2,
             # round 2 samples P*m = 512 FAP rows; all at once they need more than a
             # v5p's HBM, so the sampler takes them in chunks of 256 prompts
             "sampling.batch_buckets": (8, 16, 32, 64, 128, 256),
@@ -211,6 +214,7 @@ VARIANTS = {
             # 293 s static, under the assumed response lengths it prints)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
+            "rl.rollout_mesh.tensor": 2,  # as qwen_8b's: one batch shard per host when split
         })),
     # The real-user path at CPU size: a Qwen3 checkpoint directory (the real-shape
     # fixture of fbos_jax/testing/qwen_fixture.py, or any --init_from_hf=DIR: its
@@ -384,6 +388,9 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.rl.inflight_update = "keep_kv"  # keep_kv (PipelineRL) | recompute (AReaL): a weight
   #                                   update reaches rows in flight, their KV cache kept or redone
   c.rl.sync_chunk_mib = 512  # weight sync: the most MiB of params copied at once
+  # the rollout mesh's axes when split (0 = as mesh.*): e.g. tensor=2 gives a 16-chip
+  # rollout of 8 hosts 8 batch shards, one per host, as the continuous engine needs
+  c.rl.rollout_mesh = mlc.ConfigDict(dict(dcn=0, data=0, fsdp=0, tensor=0))
 
   c.optim = mlc.ConfigDict()
   c.optim.learning_rate = 1e-6

@@ -52,8 +52,9 @@ class SplitMeshes:
 
 def split_meshes(config, devices, rollout_devices: int) -> SplitMeshes:
   """The two meshes of ``rollout_devices`` on ``devices`` (as the run splits them)."""
-  trainer, rollout = async_rl.split_devices(devices, rollout_devices, config.mesh)
-  return SplitMeshes(hw.target_mesh(config, trainer), hw.target_mesh(config, rollout),
+  rollout_cfg = async_rl.rollout_mesh_config(config)
+  trainer, rollout = async_rl.split_devices(devices, rollout_devices, config.mesh, rollout_cfg)
+  return SplitMeshes(hw.target_mesh(config, trainer), sh.make_mesh(rollout_cfg, rollout),
                      sh.rules_dict(config.mesh.rules))
 
 
@@ -76,8 +77,10 @@ def plan_sync(parts, meshes: SplitMeshes, chunk_bytes: int, chip) -> dict:
 
 
 def _programs(parts, mesh, rules, names, eval_prompts=0, eval_k=1):
+  """The step's programs of the calls ``names`` (a sampler call on the continuous
+  engine is two programs, ``NAME/window`` and ``NAME/prefill``)."""
   return [p for p in plan_lib.step_programs(parts, mesh, rules, eval_prompts=eval_prompts,
-                                            eval_k=eval_k) if p.name in names]
+                                            eval_k=eval_k) if p.name.split("/")[0] in names]
 
 
 def compile_split_plan(config, topology: str, rollout_devices: int, *,
@@ -97,7 +100,11 @@ def compile_split_plan(config, topology: str, rollout_devices: int, *,
   reports, suggestions = {}, {}
   for side, mesh, names in (("trainer", meshes.trainer, ("update",)),
                             ("rollout", meshes.rollout, samplers)):
-    for prog in _programs(parts, mesh, meshes.rules, names):
+    progs = _programs(parts, mesh, meshes.rules, names)
+    if not progs:  # a side without programs would "fit" with 0 bytes
+      raise RuntimeError(f"split plan: no program of the {side} side ({', '.join(names)}) "
+                         f"among the step's programs")
+    for prog in progs:
       say(f"compiling {side}/{prog.name}: {prog.what}")
       reports[f"{side}/{prog.name}"] = plan_lib.compile_program(prog, mesh)
   upd = reports["trainer/update"]
@@ -174,11 +181,14 @@ def format_split_plan(plan: dict) -> str:
 
 
 def _roofline(parts, mesh, rules, chip) -> dict:
-  """The roofline of one step's programs on ``mesh`` (analytic FLOPs; nothing compiled)."""
+  """The roofline of one step's programs on ``mesh`` (analytic FLOPs; nothing
+  compiled), the rollout on the run's sampler (``sampling.engine``) under the
+  ASSUMED response lengths ``hw.RESPONSE_LENGTHS``, as the compiled plan's."""
   shards = sh.batch_shard_count(mesh, rules)
   reports = {p.name: plan_lib.ProgramReport(p.name, p.what, p.knobs, p.flops)
              for p in plan_lib.step_programs(parts, mesh, rules)}
-  rf = hw.roofline(parts.model, mesh, chip, shapes_lib.sampler_shapes(parts, shards), reports)
+  rf = hw.roofline(parts.model, mesh, chip, shapes_lib.sampler_shapes(parts, shards), reports,
+                   engine_shapes=shapes_lib.engine_shapes(parts), engine=parts.sampling.engine)
   rollout = sum(v["total_s"] for k, v in rf.items() if k.startswith("sample_"))
   return {"rollout_s": rollout, "train_s": rf["update"]["total_s"]}
 
@@ -199,6 +209,7 @@ def modelled_speedup(config, topology: str, rollout_devices: int, *,
   t_sync = full["rollout_s"] + full["train_s"]
   t_async = max(r, t + sync)
   return {"topology": topology, "rollout_devices": rollout_devices,
+          "engine": parts.sampling.engine,
           "trainer_devices": meshes.trainer.size,
           "sync_step": {"rollout_s": full["rollout_s"], "train_s": full["train_s"],
                         "step_s": t_sync},

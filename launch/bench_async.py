@@ -88,7 +88,11 @@ def _modelled(config, stream_util: float, util: float):
        f"max(rollout {a['rollout_s']:.1f} s, train {a['train_s']:.1f} s + sync "
        f"{1e3 * a['sync_s']:.1f} ms) = {a['step_s']:.1f} s/step ({a['bound']}-bound)")
   _say(f"   speedup {m['speedup']:.2f}x")
-  if util == util and util > 0:
+  if util == util and util > 0 and m["engine"] == "continuous":
+    _say(f"2. (not applied: {FLAGS.config} samples with the continuous engine, whose roofline "
+         f"above already has the engine's utilization under the assumed lengths; the measured "
+         f"{util:.2f} is a static sampler's)")
+  elif util == util and util > 0:
     su = stream_util or util
     t_sync = s["rollout_s"] / util + s["train_s"]
     t_async = max(a["rollout_s"] / su, a["train_s"] + a["sync_s"])

@@ -268,6 +268,30 @@ def test_split_per_process_and_bad_splits():
     async_rl.split_devices(one, 3, mesh)
 
 
+def test_the_rollout_mesh_has_its_own_axes():
+  """rl.rollout_mesh sets the rollout side's axes over mesh.* (0 = as mesh.*): 8
+  devices split 4 / 4 with rollout tensor=2 give a rollout mesh of 2 data x 2
+  tensor and a trainer mesh of 4 data; a split the rollout axes do not fit, an
+  unknown axis and a bad size are refused by field."""
+  from fbos_jax.rl import async_trainer
+  c = configs.load("configs/fbos.py:tiny", {"rl.rollout_devices": 4, "rl.max_staleness": 1,
+                                            "rl.rollout_mesh.tensor": 2})
+  trainer, rollout, colocated = async_trainer.build_meshes(c, jax.devices()[:8])
+  assert not colocated
+  assert dict(rollout.shape) == {"dcn": 1, "data": 2, "fsdp": 1, "tensor": 2}
+  assert dict(trainer.shape) == {"dcn": 1, "data": 4, "fsdp": 1, "tensor": 1}
+  assert c.mesh.tensor == 1  # the run's own mesh config is untouched
+  c.rl.rollout_mesh.tensor = 3
+  with pytest.raises(async_rl.AsyncConfigError, match=r"leaves the rollout mesh 4 of 8"):
+    async_trainer.build_meshes(c, jax.devices()[:8])
+  c.rl.rollout_mesh.tensor = -2
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_mesh\.tensor=-2"):
+    async_rl.rollout_mesh_config(c)
+  c.rl.rollout_mesh = {"model": 2}
+  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_mesh\.model: not a mesh"):
+    async_rl.rollout_mesh_config(c)
+
+
 def test_a_split_without_room_for_the_params_is_refused_with_the_numbers():
   """qwen_8b on 32 v5p-sized devices (abstract meshes, FSDP only): 16 / 16 fits its
   params, optimizer state and gradients; 31 / 1 leaves the trainer 1 device that

@@ -392,3 +392,49 @@ def test_roofline_static_and_continuous_decode_follow_the_lengths():
   # one slot per row: no refills, the longest row sets the steps, utilisation mean / max
   one = _roofline_calls(tail, slots=256)["continuous"]
   assert one["slot_util"] == pytest.approx(tail.mean(1000) / one["steps"], rel=0.01)
+
+
+@needs_libtpu
+def test_async_model_uses_the_runs_sampler():
+  """The asynchronous system's modelled step (plan_async.modelled_speedup, analytic:
+  nothing compiled) estimates the rollout with the run's sampler, as the compiled
+  plan does: the continuous engine's rollout is shorter than the static sampler's
+  under the same assumed lengths, and the asynchronous step is max(rollout, train +
+  sync) on the split."""
+  from fbos_jax import plan_async
+  out = {}
+  for engine in ("continuous", "static"):
+    c = load("configs/fbos.py:qwen_8b_long", {"sampling.engine": engine})
+    out[engine] = m = plan_async.modelled_speedup(c, "v5p:2x4x4", 16)
+    a, s = m["async_step"], m["sync_step"]
+    assert m["engine"] == engine and m["trainer_devices"] == 16
+    assert a["step_s"] == max(a["rollout_s"], a["train_s"] + a["sync_s"])
+    assert s["step_s"] == s["rollout_s"] + s["train_s"]
+    assert 0 < a["sync_s"] < 1.0  # device to device over ICI: milliseconds
+  assert out["continuous"]["sync_step"]["rollout_s"] < 0.5 * out["static"]["sync_step"]["rollout_s"]
+  assert out["continuous"]["sync_step"]["train_s"] == out["static"]["sync_step"]["train_s"]
+
+
+@needs_libtpu
+def test_split_plan_puts_the_engine_programs_on_the_rollout_side(monkeypatch):
+  """The asynchronous split plan compiles every sampler program of the step on the
+  rollout mesh (on the engine: each call's window and prefill) and the update on the
+  trainer mesh; a side the step has no program for is refused, never a 0-byte fit.
+  (Compiling is stubbed: the plan's own tests compile these programs.)"""
+  from fbos_jax import plan_async
+  compiled = []
+
+  def fake_compile(prog, mesh):
+    compiled.append((prog.name, mesh.size))
+    return plan_lib.ProgramReport(prog.name, prog.what, prog.knobs, prog.flops, argument=2 ** 20)
+
+  monkeypatch.setattr(plan_lib, "compile_program", fake_compile)
+  c = small_real_heads("configs/fbos.py:qwen3_0_6b", "continuous")
+  plan = plan_async.compile_split_plan(c, "v5p:2x2x1", 2)
+  assert sorted(compiled) == sorted(
+      [("update", 2)] + [(f"{b}/{k}", 2) for b in ("sample_round1", "sample_round2")
+                         for k in plan_lib.ENGINE_KINDS])
+  assert plan["sides"]["rollout"]["largest_program"] == 2 ** 20 and plan["fits"]
+  monkeypatch.setattr(plan_async.shapes_lib, "sampler_shapes", lambda *a, **k: {})
+  with pytest.raises(RuntimeError, match="no program of the rollout side"):
+    plan_async.compile_split_plan(c, "v5p:2x2x1", 2)

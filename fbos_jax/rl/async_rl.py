@@ -64,7 +64,25 @@ class AsyncConfigError(ValueError):
 # ----------------------------------------------------------------------------- the split
 
 
-def split_devices(devices, rollout_devices: int, mesh_cfg) -> tuple[list, list]:
+def rollout_mesh_config(config):
+  """The rollout side's mesh config of a split: ``mesh.*`` with the non-zero axes
+  of ``rl.rollout_mesh`` over it (its logical rules are ``mesh.rules``)."""
+  import copy
+  mesh_cfg = copy.deepcopy(config.mesh)
+  over = config.rl.get("rollout_mesh") or {}
+  for axis, size in dict(over).items():
+    if axis not in sh.MESH_AXES:
+      raise AsyncConfigError(f"rl.rollout_mesh.{axis}: not a mesh axis ({', '.join(sh.MESH_AXES)})")
+    if not isinstance(size, int) or size < -1:
+      raise AsyncConfigError(f"rl.rollout_mesh.{axis}={size!r}: an axis size, -1 (the rest) "
+                             "or 0 (as mesh.*)")
+    if size:
+      mesh_cfg[axis] = size
+  return mesh_cfg
+
+
+def split_devices(devices, rollout_devices: int, mesh_cfg,
+                  rollout_mesh_cfg=None) -> tuple[list, list]:
   """(trainer devices, rollout devices): every process gives the rollout mesh its
   first ``rollout_devices / P`` local devices (by id), the trainer the rest. Raises
   :class:`AsyncConfigError` naming ``rl.rollout_devices`` when the split does not
@@ -87,9 +105,10 @@ def split_devices(devices, rollout_devices: int, mesh_cfg) -> tuple[list, list]:
   per = n // procs
   rollout = [d for v in local.values() for d in v[:per]]
   trainer = [d for v in local.values() for d in v[per:]]
-  for side, devs in (("rollout", rollout), ("trainer", trainer)):
+  for side, devs, cfg in (("rollout", rollout, rollout_mesh_cfg or mesh_cfg),
+                          ("trainer", trainer, mesh_cfg)):
     try:
-      sh.mesh_shape_from_config(mesh_cfg, len(devs))
+      sh.mesh_shape_from_config(cfg, len(devs))
     except sh.ShardingError as e:
       raise AsyncConfigError(f"rl.rollout_devices={n} leaves the {side} mesh {len(devs)} of "
                              f"{total} devices, which the mesh config does not fit: {e}") from None

@@ -52,8 +52,10 @@ def build_meshes(config, devices=None) -> tuple:
   if not acfg.rollout_devices:
     mesh = sh.make_mesh(config.mesh, devices)
     return mesh, mesh, True
-  trainer, rollout = async_rl.split_devices(devices, acfg.rollout_devices, config.mesh)
-  return sh.make_mesh(config.mesh, trainer), sh.make_mesh(config.mesh, rollout), False
+  rollout_cfg = async_rl.rollout_mesh_config(config)
+  trainer, rollout = async_rl.split_devices(devices, acfg.rollout_devices, config.mesh,
+                                            rollout_cfg)
+  return sh.make_mesh(config.mesh, trainer), sh.make_mesh(rollout_cfg, rollout), False
 
 
 def _hbm_bytes(mesh) -> int:

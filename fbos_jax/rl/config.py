@@ -352,7 +352,9 @@ def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
                          * update.mini_batches),
       seed=int(config.seed), asynchronous=_async_config(rl))
   bad = ([f"sampling.{k}" for k in sampling.unknown()]
-         + [f"rl.{k}" for k in rl.unknown(also_known=("terms",))])
+         + [f"rl.{k}" for k in rl.unknown(also_known=(
+             "terms",  # read by _update_config's terms table
+             "rollout_mesh"))])  # a mesh config: async_rl.rollout_mesh_config, with the meshes
   if bad:
     raise ValueError(f"unknown config field(s) {', '.join(bad)}: nothing reads them (a typo?); "
                      "the fields and their defaults are in configs/base.py")
