@@ -31,6 +31,7 @@ from fbos_jax import hardware as hw
 from fbos_jax import plan as plan_lib
 from fbos_jax import sharding as sh
 from fbos_jax.rl import async_rl
+from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import shapes as shapes_lib
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl import weight_sync
@@ -52,7 +53,8 @@ class SplitMeshes:
 
 def split_meshes(config, devices, rollout_devices: int) -> SplitMeshes:
   """The two meshes of ``rollout_devices`` on ``devices`` (as the run splits them)."""
-  rollout_cfg = async_rl.rollout_mesh_config(config)
+  rollout_cfg = async_rl.rollout_mesh_config(config.mesh,
+                                             config_lib.async_config(config).rollout_mesh)
   trainer, rollout = async_rl.split_devices(devices, rollout_devices, config.mesh, rollout_cfg)
   return SplitMeshes(hw.target_mesh(config, trainer), sh.make_mesh(rollout_cfg, rollout),
                      sh.rules_dict(config.mesh.rules))

@@ -64,21 +64,15 @@ class AsyncConfigError(ValueError):
 # ----------------------------------------------------------------------------- the split
 
 
-def rollout_mesh_config(config):
-  """The rollout side's mesh config of a split: ``mesh.*`` with the non-zero axes
-  of ``rl.rollout_mesh`` over it (its logical rules are ``mesh.rules``)."""
+def rollout_mesh_config(mesh_cfg, rollout_mesh: tuple):
+  """The rollout side's mesh config of a split: ``mesh_cfg`` (``mesh.*``) with the
+  axes of ``rollout_mesh`` (``AsyncConfig.rollout_mesh``: ((axis, size), ...)) over
+  it; its logical rules are ``mesh.rules``."""
   import copy
-  mesh_cfg = copy.deepcopy(config.mesh)
-  over = config.rl.get("rollout_mesh") or {}
-  for axis, size in dict(over).items():
-    if axis not in sh.MESH_AXES:
-      raise AsyncConfigError(f"rl.rollout_mesh.{axis}: not a mesh axis ({', '.join(sh.MESH_AXES)})")
-    if not isinstance(size, int) or size < -1:
-      raise AsyncConfigError(f"rl.rollout_mesh.{axis}={size!r}: an axis size, -1 (the rest) "
-                             "or 0 (as mesh.*)")
-    if size:
-      mesh_cfg[axis] = size
-  return mesh_cfg
+  out = copy.deepcopy(mesh_cfg)
+  for axis, size in rollout_mesh:
+    out[axis] = size
+  return out
 
 
 def split_devices(devices, rollout_devices: int, mesh_cfg,

@@ -52,7 +52,7 @@ def build_meshes(config, devices=None) -> tuple:
   if not acfg.rollout_devices:
     mesh = sh.make_mesh(config.mesh, devices)
     return mesh, mesh, True
-  rollout_cfg = async_rl.rollout_mesh_config(config)
+  rollout_cfg = async_rl.rollout_mesh_config(config.mesh, acfg.rollout_mesh)
   trainer, rollout = async_rl.split_devices(devices, acfg.rollout_devices, config.mesh,
                                             rollout_cfg)
   return sh.make_mesh(config.mesh, trainer), sh.make_mesh(rollout_cfg, rollout), False

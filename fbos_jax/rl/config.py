@@ -172,12 +172,15 @@ class AsyncConfig:
     engine, between decode windows): keep_kv (PipelineRL: the cache the old
     weights wrote stays) | recompute (AReaL: the rows' cache is recomputed).
   sync_chunk_bytes: the weight sync copies at most this many bytes of params at once.
+  rollout_mesh: ((axis, size), ...) the rollout mesh's axes over ``mesh.*`` when
+    split (``rl.rollout_mesh``; only the non-zero ones).
   """
   rollout_devices: int = 0
   max_staleness: int = 0
   buffer_groups: int = 0
   inflight_update: str = "keep_kv"
   sync_chunk_bytes: int = 512 * 2 ** 20
+  rollout_mesh: tuple = ()
 
   @property
   def enabled(self) -> bool:
@@ -281,7 +284,24 @@ def _async_config(rl) -> AsyncConfig:
   return AsyncConfig(rollout_devices=int(rl.rollout_devices),
                      max_staleness=int(rl.max_staleness), buffer_groups=int(rl.buffer_groups),
                      inflight_update=str(rl.inflight_update),
-                     sync_chunk_bytes=int(float(rl.sync_chunk_mib) * 2 ** 20))
+                     sync_chunk_bytes=int(float(rl.sync_chunk_mib) * 2 ** 20),
+                     rollout_mesh=_rollout_mesh(rl.rollout_mesh))
+
+
+def _rollout_mesh(section) -> tuple:
+  """``rl.rollout_mesh`` as ((axis, size), ...), the non-zero axes; a field that is
+  not a mesh axis, or a size that is not -1, 0 or positive, is refused by name."""
+  from fbos_jax import sharding as sh
+  out = []
+  for axis, size in sorted(dict(section or {}).items()):
+    if axis not in sh.MESH_AXES:
+      raise ValueError(f"rl.rollout_mesh.{axis}: not a mesh axis ({', '.join(sh.MESH_AXES)})")
+    if isinstance(size, bool) or not isinstance(size, int) or size < -1:
+      raise ValueError(f"rl.rollout_mesh.{axis}={size!r}: an axis size, -1 (the rest) or 0 "
+                       "(as mesh.*)")
+    if size:
+      out.append((axis, int(size)))
+  return tuple(out)
 
 
 def async_config(config) -> AsyncConfig:
@@ -352,9 +372,7 @@ def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
                          * update.mini_batches),
       seed=int(config.seed), asynchronous=_async_config(rl))
   bad = ([f"sampling.{k}" for k in sampling.unknown()]
-         + [f"rl.{k}" for k in rl.unknown(also_known=(
-             "terms",  # read by _update_config's terms table
-             "rollout_mesh"))])  # a mesh config: async_rl.rollout_mesh_config, with the meshes
+         + [f"rl.{k}" for k in rl.unknown(also_known=("terms",))])
   if bad:
     raise ValueError(f"unknown config field(s) {', '.join(bad)}: nothing reads them (a typo?); "
                      "the fields and their defaults are in configs/base.py")
