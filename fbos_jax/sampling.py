@@ -81,16 +81,15 @@ import contextlib
 import dataclasses
 import functools
 import math
-import threading
 import warnings
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fbos_jax import buckets
+from fbos_jax import program_cache
 from fbos_jax import sharding as sh
 from fbos_jax.model import qwen
 
@@ -618,8 +617,7 @@ def _generate(params, prompt_tokens, prompt_mask, key, temperature, top_p, stop_
               stopped=done, prompt_tokens=prompt_tokens, prompt_mask=prompt_mask)
 
 
-_LOCK = threading.Lock()
-_FNS: dict = {}
+_PROGRAMS = program_cache.ProgramCache()
 
 
 def _stop_slots(n: int) -> int:
@@ -656,21 +654,14 @@ def get_generate_fn(cfg: qwen.ModelConfig, scfg: SamplingConfig, *, batch: int, 
                pad_id=int(scfg.pad_id), unroll=unroll, cache_dtype=scfg.cache_dtype,
                decode_phases=int(scfg.decode_phases), vocab_limit=int(scfg.vocab_limit))
   key = (cfg, st, int(batch), int(prompt_len), int(n_per_prompt), mesh, _rules_key(rules))
-  with _LOCK:
-    fn = _FNS.get(key)
-    if fn is None:
-      core = functools.partial(_generate, cfg=cfg, st=st, n=int(n_per_prompt), mesh=mesh,
-                               rules=rules)
-      fn = jax.jit(core, donate_argnums=(1, 2))
-      _FNS[key] = fn
-  return fn
+  return _PROGRAMS.get(key, lambda: jax.jit(
+      functools.partial(_generate, cfg=cfg, st=st, n=int(n_per_prompt), mesh=mesh, rules=rules),
+      donate_argnums=(1, 2)))
 
 
 def compiled_programs() -> int:
   """How many generate programs have been compiled in this process (all buckets)."""
-  with _LOCK:
-    fns = list(_FNS.values())
-  return int(sum(f._cache_size() for f in fns))
+  return _PROGRAMS.compiled_programs()
 
 
 # ----------------------------------------------------------------------------- public entry

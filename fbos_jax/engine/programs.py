@@ -60,14 +60,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fbos_jax import program_cache
 from fbos_jax import sampling
 from fbos_jax import sharding as sh
 from fbos_jax.model import attention as attn_lib
@@ -572,8 +571,7 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
   return _con_pool(pool, cfg, st, mesh, rules), toks, lps, srcs, src, nxt, i
 
 
-_LOCK = threading.Lock()
-_FNS: dict = {}
+_PROGRAMS = program_cache.ProgramCache()
 
 
 def _rules_key(rules):
@@ -586,29 +584,25 @@ def get_fn(kind: str, cfg: qwen.ModelConfig, st: Static, *, mesh=None, rules=Non
   (model config, static options, mesh, rules) and cached; one compile per shape
   bucket."""
   key = (kind, cfg, st, mesh, _rules_key(rules), pages_per_shard if kind == "init" else 0)
-  with _LOCK:
-    fn = _FNS.get(key)
-    if fn is None:
-      common = dict(cfg=cfg, st=st, mesh=mesh, rules=rules)
-      if kind == "init":
-        out = None
-        if mesh is not None:
-          out = jax.tree.map(lambda s: NamedSharding(mesh, s), pool_specs(cfg, st, mesh, rules),
-                             is_leaf=lambda x: isinstance(x, P))
-        fn = jax.jit(functools.partial(_init_pool, pages_per_shard=pages_per_shard, **common),
-                     out_shardings=out)
-      elif kind == "prefill":
-        fn = jax.jit(functools.partial(_prefill, **common), donate_argnums=(1,))
-      elif kind == "window":
-        fn = jax.jit(functools.partial(_window, **common), donate_argnums=(1,))
-      else:
-        raise ValueError(kind)
-      _FNS[key] = fn
-  return fn
+  return _PROGRAMS.get(key, lambda: _build(kind, cfg, st, mesh, rules, pages_per_shard))
+
+
+def _build(kind, cfg, st, mesh, rules, pages_per_shard):
+  common = dict(cfg=cfg, st=st, mesh=mesh, rules=rules)
+  if kind == "init":
+    out = None
+    if mesh is not None:
+      out = jax.tree.map(lambda s: NamedSharding(mesh, s), pool_specs(cfg, st, mesh, rules),
+                         is_leaf=lambda x: isinstance(x, P))
+    return jax.jit(functools.partial(_init_pool, pages_per_shard=pages_per_shard, **common),
+                   out_shardings=out)
+  if kind == "prefill":
+    return jax.jit(functools.partial(_prefill, **common), donate_argnums=(1,))
+  if kind == "window":
+    return jax.jit(functools.partial(_window, **common), donate_argnums=(1,))
+  raise ValueError(kind)
 
 
 def compiled_programs() -> int:
   """How many engine programs have been compiled in this process (all kinds and buckets)."""
-  with _LOCK:
-    fns = list(_FNS.values())
-  return int(sum(f._cache_size() for f in fns))
+  return _PROGRAMS.compiled_programs()
