@@ -7,8 +7,11 @@ mesh, rules), so two trainers or tests with the same shapes share one compile.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, Hashable
+
+import jax
 
 
 class ProgramCache:
@@ -32,3 +35,21 @@ class ProgramCache:
     with self._lock:
       fns = list(self._fns.values())
     return int(sum(f._cache_size() for f in fns))  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """Counts XLA backend compilations (any jitted function, any thread) inside the
+  block: ``with count_compiles() as events: ...; len(events)``."""
+  events = []
+
+  def listener(event, duration, **kw):
+    del kw
+    if event == "/jax/core/compile/backend_compile_duration":
+      events.append(duration)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

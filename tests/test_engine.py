@@ -8,7 +8,6 @@ Most tests share one engine shape: 4 slots, 4-token pages, windows of 4 steps,
 prefill chunks of 4 tokens (a 9-token prompt is prefilled in 2 chunks), with
 single row / page / chunk buckets so that each config compiles few programs.
 """
-import contextlib
 import importlib.util
 
 import jax
@@ -18,6 +17,7 @@ import pytest
 
 from fbos_jax import engine as E
 from fbos_jax import sampling
+from fbos_jax.program_cache import count_compiles
 from fbos_jax import sharding as sh
 from fbos_jax.engine import programs
 from fbos_jax.model import qwen
@@ -56,19 +56,6 @@ def common_stop(out, lo=2):
   return int(vals[np.argmax(counts)])
 
 
-@contextlib.contextmanager
-def count_compiles():
-  events = []
-
-  def listener(event, duration, **kw):
-    if event == "/jax/core/compile/backend_compile_duration":
-      events.append(duration)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def compare(static, eng, *, sampled: bool, atol=1e-5):

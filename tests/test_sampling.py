@@ -1,7 +1,6 @@
 """The jitted sampling engine (fbos_jax.sampling): parity with transformers,
 sampler == teacher-forced log-probs, sharding, compile-once buckets, stop tokens,
 determinism and input errors. Tiny random models; no downloads."""
-import contextlib
 import re
 
 import jax
@@ -13,6 +12,7 @@ import transformers
 
 from fbos_jax import buckets
 from fbos_jax import sampling
+from fbos_jax.program_cache import count_compiles
 from fbos_jax import sharding as sh
 from fbos_jax.model import load_hf_params, qwen
 
@@ -81,20 +81,6 @@ def random_prompts(lengths, vocab, seed=0):
   return [rng.integers(1, vocab, n).tolist() for n in lengths]
 
 
-@contextlib.contextmanager
-def count_compiles():
-  """Counts XLA backend compilations (any jitted function) inside the block."""
-  events = []
-
-  def listener(event, duration, **kw):
-    if event == "/jax/core/compile/backend_compile_duration":
-      events.append(duration)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield events
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
 
 
 # ----------------------------------------------------------------------------- 1. HF parity
