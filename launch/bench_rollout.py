@@ -35,7 +35,8 @@ Printed per sampler: generated tokens/s, slot utilisation (generated tokens /
 slot-steps computed: static = rows x steps of every call, engine = rows x steps
 of every window), wall time, and for the engine where its time goes (windows
 incl. device work, host scheduling, prefill calls, windows, refills). The last
-line is JSON: ``{"long_tail": {"static_tok_s", "continuous_tok_s", "ratio",
+line is JSON (``--workloads=row_cost`` adds what a decode step costs at 8-64
+rows, the static sampler, no stops): ``{"long_tail": {"static_tok_s", "continuous_tok_s", "ratio",
 "static_slot_util", "continuous_slot_util", ...}, "two_round": {"barrier_s", "streamed_s", "ratio", ...}}``.
 """
 
@@ -75,7 +76,8 @@ flags.DEFINE_integer("two_round_max_new_tokens", 128, "two_round: sampling.max_n
 flags.DEFINE_integer("two_round_slots", 64, "two_round: engine.slots")
 flags.DEFINE_integer("two_round_window", 8, "two_round: engine.window")
 flags.DEFINE_integer("warmups", 3, "two_round: untimed runs of each side first")
-flags.DEFINE_list("workloads", ["long_tail", "two_round"], "which workloads to run")
+flags.DEFINE_list("workloads", ["long_tail", "two_round"], "which workloads to run "
+                  "(long_tail, two_round, row_cost)")
 
 
 def build(args):
@@ -167,7 +169,36 @@ def main(argv):
     out["long_tail"] = long_tail(args)
   if "two_round" in args.workloads:
     out["two_round"] = two_round(args)
+  if "row_cost" in args.workloads:
+    out["row_cost"] = row_cost(args)
   print(json.dumps(out))
+
+
+def row_cost(args, rows=(8, 16, 32, 64), steps=128) -> dict:
+  """Workload ``row_cost``: what a decode step costs at each row count here (the
+  static sampler, ``long_tail``'s model, no stop ids so every row runs ``steps``
+  steps): whether idle slots cost time on this machine (compute-bound: about in
+  proportion to rows) or not (memory-bound)."""
+  cfg, params, prompts, _, _ = build(args)
+  key = jax.random.PRNGKey(args.seed + 2)
+  out = {}
+  print(f"\nworkload row_cost: {steps} decode steps, no stops")
+  for r in rows:
+    scfg = sampling.make_config(max_new_tokens=steps, temperature=1.0, stop_token_ids=(),
+                                prompt_buckets=(64,), batch_buckets=(r,))
+    batch = prompts[:r]
+    sampling.sample(params, cfg, batch, key=key, config=scfg)  # compiles
+    walls = []
+    for _ in range(args.repeats):
+      t0 = time.perf_counter()
+      sampling.sample(params, cfg, batch, key=key, config=scfg)
+      walls.append(time.perf_counter() - t0)
+    out[r] = statistics.median(walls) / steps
+    print(f"rows {r:3d}: {1e3 * out[r]:.2f} ms per step ({1e6 * out[r] / r:.1f} us per row-step)")
+  print(f"{rows[-1]} rows / {rows[0]} rows: {out[rows[-1]] / out[rows[0]]:.1f}x the step time "
+        f"for {rows[-1] // rows[0]}x the rows")
+  return {"step_s": {str(r): v for r, v in out.items()},
+          "ratio": out[rows[-1]] / out[rows[0]]}
 
 
 def long_tail(args) -> dict:
