@@ -14,6 +14,7 @@ from fbos_jax.rl import async_rl
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl.async_trainer import AsyncRLTrainer
 from fbos_jax.rl.trainer import RLTrainer
+from fbos_jax.testing.small import assert_resume_matches_straight
 
 DROP = ("time/", "tokens/per_s", "async/", "staleness/")
 
@@ -416,18 +417,6 @@ def test_resume_at_eta0_is_exact(tmp_path, small, one_device_mesh):
   the same state and metrics (the checkpoint's iterator state is the trained one's)."""
   over = {"train.steps": 4, "data.verifier": "fbos_jax.testing.small:parity_reward"}
   spec = "configs/fbos.py:tiny"
-  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "straight"), mesh=one_device_mesh)
-  s_straight, _ = tr.train()
-  tr.close()
-  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh)
-  tr.train(tr.init_state(), steps=2)
-  tr.close()
-  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=one_device_mesh)
-  s_resumed, _ = tr.train()
-  tr.close()
-  for x, y in zip(jax.tree.leaves(jax.device_get(s_straight)),
-                  jax.tree.leaves(jax.device_get(s_resumed))):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  ra, rb = (metrics_lib.read_jsonl(os.path.join(tmp_path, d, "metrics.jsonl"))
-            for d in ("straight", "resumed"))
-  assert [_drop(r) for r in ra] == [_drop(r) for r in rb]
+  assert_resume_matches_straight(
+      lambda wd: AsyncRLTrainer(small(spec, **over), wd, mesh=one_device_mesh), str(tmp_path),
+      drop_prefixes=DROP)

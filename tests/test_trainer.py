@@ -1,6 +1,5 @@
 """End-to-end trainer: every config runs 2 steps; resume is exact."""
 
-import json
 import os
 
 import jax
@@ -11,6 +10,7 @@ import configs
 from fbos_jax import metrics as metrics_lib
 from fbos_jax.rl import update as update_lib
 from fbos_jax.rl.trainer import RLTrainer
+from fbos_jax.testing.small import assert_resume_matches_straight
 
 
 SPECS = ["configs/grpo.py:tiny", "configs/grpo.py:tiny,drgrpo", "configs/gfpo.py:tiny",
@@ -105,23 +105,10 @@ def _resume_matches_straight(tmp_path, small, mesh, spec, **over):
   """4 steps straight vs 2 steps + a fresh trainer resuming for 2 more: identical
   params, GFPO history and stale-params history, and identical metrics."""
   over = {"train.steps": 4, "data.verifier": "fbos_jax.testing.small:length_reward", **over}
-  tr = RLTrainer(small(spec, **over), str(tmp_path / "straight"), mesh=mesh)
-  s_straight, _ = tr.train()
-  tr.close()
-  tr = RLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=mesh)
-  tr.train(tr.init_state(), steps=2)
-  tr.close()
-  tr = RLTrainer(small(spec, **over), str(tmp_path / "resumed"), mesh=mesh)
-  s_resumed, _ = tr.train()
-  tr.close()
+  s_straight, s_resumed = assert_resume_matches_straight(
+      lambda wd: RLTrainer(small(spec, **over), wd, mesh=mesh), str(tmp_path),
+      drop_prefixes=("time/", "tokens/per_s"))
   assert int(s_resumed.step) == int(s_straight.step) == 4
-  for x, y in zip(jax.tree.leaves(jax.device_get(s_straight)),
-                  jax.tree.leaves(jax.device_get(s_resumed))):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  drop = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "tokens/per_s"))}
-  ra, rb = (metrics_lib.read_jsonl(os.path.join(tmp_path, d, "metrics.jsonl"))
-            for d in ("straight", "resumed"))
-  assert [drop(r) for r in ra] == [drop(r) for r in rb]
   return s_straight
 
 

@@ -65,3 +65,30 @@ def parity_reward(example, response):
   del example
   ok = len(response) % 2 == 0
   return float(ok), "correct" if ok else f"the answer has odd length {len(response)}"
+
+
+def assert_resume_matches_straight(make_trainer, workdir: str, drop_prefixes=("time/",)):
+  """4 steps straight against 2 steps, a fresh trainer, 2 more (``make_trainer(dir)``
+  builds a trainer of a 4-step config writing to ``dir``): the same state, leaf for
+  leaf, and the same metrics rows but the keys starting with ``drop_prefixes``
+  (timings). Returns (straight state, resumed state)."""
+  import os
+  import numpy as np
+  from fbos_jax import metrics as metrics_lib
+  tr = make_trainer(os.path.join(workdir, "straight"))
+  s_straight, _ = tr.train()
+  tr.close()
+  tr = make_trainer(os.path.join(workdir, "resumed"))
+  tr.train(tr.init_state(), steps=2)
+  tr.close()
+  tr = make_trainer(os.path.join(workdir, "resumed"))
+  s_resumed, _ = tr.train()
+  tr.close()
+  for x, y in zip(jax.tree.leaves(jax.device_get(s_straight)),
+                  jax.tree.leaves(jax.device_get(s_resumed))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  drop = lambda r: {k: v for k, v in r.items() if not k.startswith(tuple(drop_prefixes))}
+  ra, rb = (metrics_lib.read_jsonl(os.path.join(workdir, d, "metrics.jsonl"))
+            for d in ("straight", "resumed"))
+  assert [drop(r) for r in ra] == [drop(r) for r in rb]
+  return s_straight, s_resumed
