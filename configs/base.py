@@ -27,14 +27,17 @@ from fbos_jax import templates as templates_lib
 
 # ------------------------------------------------------------------ the variant table
 # Per variant: the model (field names of fbos_jax/model/qwen.py:ModelConfig; HF
-# checkpoints overwrite the architecture from config.json with --init_from_hf),
+# checkpoints overwrite the architecture from config.json with --init_from_hf;
+# model.param_dtype is the trained master copy, float32 in every variant, and the
+# forward pass runs in model.compute_dtype: a bfloat16 master rounds away most
+# Adam steps at lr 1e-6, fbos_jax/rl/state.py:ComputeCopy),
 # the mesh (sizes of dcn x data x fsdp x tensor; -1 takes the remaining devices)
 # and the run sizes (dotted field -> value, applied over the defaults below).
 
 _QWEN3_8B = dict(model_type="qwen3", vocab_size=151_936, hidden_size=4096,
                  intermediate_size=12_288, num_layers=36, num_heads=32, num_kv_heads=8,
                  head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_embeddings=False,
-                 param_dtype="bfloat16", compute_dtype="bfloat16", remat="full")
+                 param_dtype="float32", compute_dtype="bfloat16", remat="full")
 _LARGE_RUN = {
     "data.source": "jsonl", "data.verifier": "math", "templates.style": "verbose",
     "templates.max_prompt_tokens": 4096, "optim.learning_rate": 1e-6,
@@ -164,7 +167,7 @@ VARIANTS = {
         model=dict(model_type="qwen3", vocab_size=151_936, hidden_size=1024,
                    intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
                    head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                   tie_embeddings=True, param_dtype="bfloat16", compute_dtype="bfloat16",
+                   tie_embeddings=True, param_dtype="float32", compute_dtype="bfloat16",
                    remat="dots_no_batch"),
         mesh=dict(dcn=1, data=1, fsdp=-1, tensor=1),
         run=dict(_LARGE_RUN, **{
@@ -225,7 +228,7 @@ VARIANTS = {
         model=dict(model_type="qwen3", vocab_size=151_936, hidden_size=256, intermediate_size=768,
                    num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128,
                    rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_embeddings=True,
-                   param_dtype="bfloat16", compute_dtype="bfloat16", remat="none"),
+                   param_dtype="float32", compute_dtype="bfloat16", remat="none"),
         mesh=dict(dcn=1, data=-1, fsdp=1, tensor=1),
         run={
             "data.source": "jsonl", "data.verifier": "math",
@@ -401,6 +404,11 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
   c.optim.opt_state_dtype = "float32"  # Adam's moments (SFT and RL), whatever the params' dtype
+  # True: train a master (model.param_dtype) of fewer than float32's bits as is. A
+  # bfloat16 master keeps 8 significant bits, so an Adam step of about lr rounds away
+  # on every weight above ~256 x lr (at lr 1e-6, ~98% of N(0, 0.02) weights); refused
+  # at build unless this is set (update/param_change_frac shows what a step changed)
+  c.optim.allow_low_precision_params = False
 
   c.train = mlc.ConfigDict()
   c.train.steps = 200
@@ -416,6 +424,12 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   # (fbos_jax/rl/probe.py: log p(gold | FAP) vs log p(gold | q), fix vs resample rates and
   # the controls, logged as probe/*); it samples ~4x the failed rollouts again
   c.train.probe_every = 0
+
+  c.export = mlc.ConfigDict()
+  # the dtype launch/export_hf.py writes: "" = the source checkpoint's (config.json's
+  # dtype / torch_dtype of model.hf_path or --init_from_hf), bfloat16 without one; the
+  # run's float32 master is rounded to it once, at export
+  c.export.dtype = ""
 
   c.sft = mlc.ConfigDict()
   c.sft.steps = 0

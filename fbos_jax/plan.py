@@ -61,6 +61,9 @@ class Program:
   what: str  # one line: the shapes
   knobs: str  # the config fields that shrink it
   refused: str = ""  # why the program cannot be built (the engine refuses its config)
+  # per-device bytes held while it runs that are not its arguments: during sampling,
+  # the train state (the float32 master and Adam's moments) beside the compute copy
+  resident: int = 0
 
 
 def _abstract_batch(shape: shapes_lib.UpdateShape, mesh, rules):
@@ -185,25 +188,47 @@ def _wanted(only: Optional[str], name: str) -> bool:
   return only is None or only == name or name.startswith(only + "/")
 
 
+def device_bytes(tree) -> int:
+  """Bytes one device holds of the sharded ShapeDtypeStructs ``tree`` (the most any
+  device holds of each leaf)."""
+  total = 0
+  for a in jax.tree.leaves(tree):
+    shape = a.sharding.shard_shape(tuple(a.shape)) if a.sharding is not None else a.shape
+    total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+  return total
+
+
 def step_programs(parts, mesh, rules, *, eval_prompts: int = 0, eval_k: int = 1,
-                  only: Optional[str] = None) -> list[Program]:
+                  only: Optional[str] = None, state_resident: bool = True) -> list[Program]:
   """Every program one training step (and the periodic eval, ``eval_prompts`` >
   0) of ``parts`` runs, at the shape model's largest shapes (``only``: that one,
   or both engine programs of a call): the static sampler's calls, or with
-  ``sampling.engine=continuous`` the engine's window and prefill of each call."""
+  ``sampling.engine=continuous`` the engine's window and prefill of each call.
+
+  The samplers take the compute copy of the params (``model.compute_dtype``,
+  ``fbos_jax.rl.state.ComputeCopy``); with ``state_resident`` (the state lives on
+  the same devices: not the rollout side of a split) the train state they do not
+  take (the master, Adam's moments) counts as held beside them."""
   from fbos_jax.rl import state as state_lib
   state = state_lib.abstract_state(parts, mesh, rules, strict=True)
+  policy = state_lib.compute_abstract(state.params, parts.model)
+  held = 0
+  if state_resident:  # the state, less the params when the samplers read the master itself
+    held = device_bytes(state) - (0 if state_lib.needs_compute_copy(parts.model)
+                                  else device_bytes(state.params))
   shards = sh.batch_shard_count(mesh, rules)
   progs = []
   kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
   if parts.sampling.engine == "continuous":
     for name, s in shapes_lib.engine_shapes(parts, **kw).items():
-      progs += [p for p in _engine_programs(name, s, parts, mesh, rules, state.params)
+      progs += [dataclasses.replace(p, resident=held)
+                for p in _engine_programs(name, s, parts, mesh, rules, policy)
                 if _wanted(only, p.name)]
   else:
     for name, s in shapes_lib.sampler_shapes(parts, shards, **kw).items():
       if _wanted(only, name):
-        progs.append(_sampler_program(name, s, parts, mesh, rules, state.params))
+        progs.append(dataclasses.replace(
+            _sampler_program(name, s, parts, mesh, rules, policy), resident=held))
   if _wanted(only, "update"):
     progs.append(_update_program(parts, mesh, rules, state,
                                  shapes_lib.update_shapes(parts, shards)))
@@ -228,16 +253,19 @@ class ProgramReport:
   code: int = 0
   error: str = ""  # the compiler's message when it did not compile (or the refusal)
   refused: bool = False  # not built: the engine refused its config (error says why)
+  resident: int = 0  # held beside it, not an argument (Program.resident)
 
   @property
   def peak(self) -> int:
     """Per-device bytes while the program runs: arguments + outputs that do not
-    alias an argument + temporaries + generated code."""
-    return self.argument + self.output - self.alias + self.temp + self.code
+    alias an argument + temporaries + generated code + what is held beside it
+    (the train state while a sampler runs)."""
+    return self.argument + self.output - self.alias + self.temp + self.code + self.resident
 
   def as_json(self) -> dict:
     return {"peak_bytes": self.peak if not self.error else None, "flops": self.flops,
             "xla_flops_per_device_loop_bodies_once": self.xla_flops,
+            "resident_bytes": self.resident,
             "argument_bytes": self.argument, "output_bytes": self.output,
             "alias_bytes": self.alias, "temp_bytes": self.temp, "code_bytes": self.code,
             "error": self.error or None}
@@ -247,7 +275,7 @@ _OOM_RE = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
 
 
 def compile_program(prog: Program, mesh) -> ProgramReport:
-  rep = ProgramReport(prog.name, prog.what, prog.knobs, prog.flops)
+  rep = ProgramReport(prog.name, prog.what, prog.knobs, prog.flops, resident=prog.resident)
   if prog.refused:
     rep.error, rep.refused = prog.refused, True
     return rep
@@ -494,7 +522,8 @@ def format_compiled_plan(plan: dict) -> str:
          if plan["sampler"] == "continuous" else ""),
       "",
       f"{'program':<{_W}} {'args':>8} {'out':>8} {'alias':>8} {'temp':>8} {'code':>6} "
-      f"{'peak GiB':>9} {'% HBM':>6}  {'FLOPs (analytic)':>16} {'XLA FLOPs/dev*':>14}",
+      f"{'state+':>7} {'peak GiB':>9} {'% HBM':>6}  {'FLOPs (analytic)':>16} "
+      f"{'XLA FLOPs/dev*':>14}",
   ]
   for name, r in plan["programs"].items():
     g = lambda b: f"{b / GiB:8.2f}"
@@ -502,15 +531,18 @@ def format_compiled_plan(plan: dict) -> str:
       lines.append(f"{name:<{_W}} {_failure(r)}")
       lines.append(f"{'':<{_W}} {r.what}")
       continue
-    peak = r.peak if not r.error else r.argument + r.temp
+    peak = r.peak if not r.error else r.argument + r.temp + r.resident
     lines.append(f"{name:<{_W}} {g(r.argument)} {g(r.output)} {g(r.alias)} {g(r.temp)} "
-                 f"{r.code / GiB:6.2f} {peak / GiB:9.2f} {100 * peak / hbm:5.0f}%  "
+                 f"{r.code / GiB:6.2f} {r.resident / GiB:7.2f} {peak / GiB:9.2f} "
+                 f"{100 * peak / hbm:5.0f}%  "
                  f"{r.flops:16.3e} {r.xla_flops:14.3e}"
                  + ("" if _fits(r, budget) else "  <-- DOES NOT FIT"))
     lines.append(f"{'':<{_W}} {r.what}")
   lines.append("* XLA's cost_analysis counts a loop body once (layer scan, micro-batches, "
                "decode): per device, a lower bound. The analytic column counts every iteration "
-               "(all devices).")
+               "(all devices). state+: the train state a sampler does not take but which "
+               "stays in HBM beside it (the master params and Adam's moments; the samplers "
+               "read the compute copy).")
   for name, r in plan["programs"].items():
     if not _fits(r, budget):
       peak = r.peak if not r.error else r.temp

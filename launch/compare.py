@@ -510,12 +510,12 @@ def warm_starts(seeds: list) -> tuple:
           f"{ev.get('eval/pass@1_sampled', float('nan')):.3f} (T=1), "
           f"length {ev['eval/length']:.2f} ({'cached' if cached else 'trained'})", flush=True)
     if FLAGS.probe_batches > 0:
-      probes[seed] = probe_warm_start(tr, p, FLAGS.probe_batches)
+      probes[seed] = probe_warm_start(tr, tr.policy(p), FLAGS.probe_batches)
       print(f"warm start (seed {seed}) probe: {json.dumps(probes[seed])}", flush=True)
       if FLAGS.feedback_probe:
         from fbos_jax.rl import probe as probe_lib
         t0 = time.perf_counter()
-        fp = probe_lib.run_probe(tr.ctx, p, lambda: next(tr.train_iter), FLAGS.probe_batches,
+        fp = probe_lib.run_probe(tr.ctx, tr.policy(p), lambda: next(tr.train_iter), FLAGS.probe_batches,
                                  key=jax_key(4048 + seed))
         fp["seconds"] = time.perf_counter() - t0
         probes[seed]["feedback_probe"] = fp

@@ -17,7 +17,9 @@ from absl import app, flags
 
 _CONFIG = cli.define_checkpoint_flags()
 flags.DEFINE_string("out", None, "Output directory.")
-flags.DEFINE_string("dtype", "", "Export dtype (default: the params' dtype), e.g. bfloat16.")
+flags.DEFINE_string("dtype", "", "Export dtype, e.g. float32 (default: export.dtype, else "
+                    "the source checkpoint's dtype, else bfloat16; the run's float32 master is "
+                    "rounded to it here).")
 flags.DEFINE_integer("check_greedy", 0, "After exporting, reload the export with transformers "
                      "and check that its greedy generation on this many held-out prompts equals "
                      "our sampler's, token for token (float32 on both sides; needs torch).")

@@ -535,6 +535,34 @@ def _validate_async(rl, errs):
                 "(rl.max_staleness bounds the asynchronous loop's staleness)")
 
 
+def _validate_master(config, errs):
+  """A master (``model.param_dtype``) of fewer significant bits than float32 loses
+  the updates: refused unless ``optim.allow_low_precision_params``."""
+  import numpy as np
+  import jax.numpy as jnp
+  try:
+    dt = jnp.dtype(config.model.param_dtype)
+  except TypeError:
+    errs.append(f"model.param_dtype={config.model.param_dtype!r}: not a dtype")
+    return
+  trains = config.train.steps > 0 or config.train.warm_start == "sft"
+  if (not jnp.issubdtype(dt, jnp.floating) or not trains
+      or config.optim.get("allow_low_precision_params", False)):
+    return
+  bits = int(jnp.finfo(dt).nmant) + 1  # significant bits, the implicit one included
+  if bits >= np.finfo(np.float32).nmant + 1:
+    return
+  lr = config.optim.learning_rate
+  errs.append(
+      f"model.param_dtype={dt.name}: the trained master would keep {bits} significant bits, "
+      f"so an Adam step of about optim.learning_rate={lr:g} rounds away on every weight "
+      f"larger than ~2^{bits} x lr = {lr * 2 ** bits:.3g} in magnitude (at lr 1e-6, about 98% "
+      f"of N(0, 0.02) weights; update/param_change_frac counts what a step changed). Keep a "
+      f"float32 master (--config.model.param_dtype=float32; the forward pass runs in "
+      f"model.compute_dtype={config.model.compute_dtype}), or train it as is with "
+      "--config.optim.allow_low_precision_params=True")
+
+
 def _validate_rest(config, errs):
   s, o, v = config.sampling, config.optim, config.verifier
   if not (isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1):
@@ -550,6 +578,7 @@ def _validate_rest(config, errs):
   if s.top_k < 0:
     errs.append(f"sampling.top_k={s.top_k!r}: must be >= 0 (0 = off)")
   _positive(errs, "optim.learning_rate", o.learning_rate)
+  _validate_master(config, errs)
   _positive(errs, "optim.warmup_steps", o.warmup_steps, allow_zero=True)
   _positive(errs, "optim.grad_clip", o.grad_clip, allow_zero=True)
   _positive(errs, "optim.weight_decay", o.weight_decay, allow_zero=True)

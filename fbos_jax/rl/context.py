@@ -27,6 +27,7 @@ from fbos_jax import buckets
 from fbos_jax import sharding as sh
 from fbos_jax import templates
 from fbos_jax.rl import config as config_lib
+from fbos_jax.rl import state as state_lib
 
 
 class Samples(NamedTuple):
@@ -171,9 +172,13 @@ class RolloutContext:
     configs): the one sampler call of the project (rollout rounds, eval, SFT's
     own failures, the export check), on the static sampler or the continuous
     engine (``sampling.engine``; the same key contract and output). Contexts may
-    be empty on every process (0 rows)."""
+    be empty on every process (0 rows). ``params``: the policy in
+    ``model.compute_dtype`` (:class:`fbos_jax.rl.state.ComputeCopy`); handed the
+    master of another dtype it raises."""
     from fbos_jax import sampling as sampling_lib
     sp = self.parts.sampling
+    if not hasattr(params, "current"):  # a PolicyStore holds published compute copies
+      state_lib.check_compute_params(params, self.model_cfg, "RolloutContext.sample")
     if sp.engine == "continuous":
       from fbos_jax import engine
       out = engine.sample(params, self.model_cfg, contexts, key=key, n_per_prompt=n,

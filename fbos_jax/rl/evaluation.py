@@ -75,7 +75,8 @@ def evaluate_checkpoint(config, workdir: str, *, k: int = 1, step: int = -1,
                                           templates_config=config.templates)
     key = state_lib.stream_key(state_lib.root_rng(ctx.parts.seed), "eval", restored)
     with jax.set_mesh(mesh):
-      out = evaluate(ctx, params, examples, key=key, k=k)
+      out = evaluate(ctx, state_lib.compute_params(params, ctx.model_cfg), examples, key=key,
+                     k=k)
     out["step"] = restored
     return out
   finally:

@@ -1,6 +1,7 @@
 """Export a run's checkpoint as a Hugging Face model directory, and check it.
 
-``export_run`` writes the safetensors, ``config.json`` (keys we do not own, such
+``export_run`` writes the safetensors (the run's float32 master rounded to the
+source checkpoint's dtype, bfloat16 by default: :func:`export_dtype`), ``config.json`` (keys we do not own, such
 as ``max_position_embeddings`` and the eos/bos ids, kept from the source
 checkpoint's ``config.json`` when the run came from one), the tokenizer files
 and the source's ``generation_config.json``: a directory vLLM, SGLang and
@@ -28,9 +29,24 @@ from fbos_jax.rl.run import restore_params
 GENERATION_CONFIG = "generation_config.json"
 
 
+DEFAULT_EXPORT_DTYPE = "bfloat16"
+
+
+def export_dtype(config, dtype: str = "", src: str = "") -> str:
+  """The dtype an export writes: ``dtype`` (the launcher's ``--dtype``), else
+  ``export.dtype``, else the source checkpoint's (``src``: its ``config.json``),
+  else :data:`DEFAULT_EXPORT_DTYPE`. The run's float32 master is rounded to it
+  once, here, not during training."""
+  chosen = dtype or config.get("export", {}).get("dtype", "")
+  if not chosen and src:
+    chosen = hf.checkpoint_dtype(src) or ""
+  return chosen or DEFAULT_EXPORT_DTYPE
+
+
 def export_run(config, workdir: str, out: str, *, step: int = -1, dtype: str = "",
                init_from_hf: str = "") -> tuple[list[str], int]:
-  """Exports checkpoint ``step`` (-1 = latest) of ``workdir`` to ``out``.
+  """Exports checkpoint ``step`` (-1 = latest) of ``workdir`` to ``out``, in
+  :func:`export_dtype` (the source checkpoint's dtype; bfloat16 by default).
 
   ``init_from_hf`` (or ``config.model.hf_path``): the source HF directory; the
   model fields are set from its ``config.json`` (``apply_hf_config``) and its
@@ -44,7 +60,7 @@ def export_run(config, workdir: str, out: str, *, step: int = -1, dtype: str = "
   tok_dir = tok_lib.resolve_tokenizer_path(config, workdir)  # a clear error before any work
   params, restored = restore_params(config, workdir, step=step)
   model_cfg = config_lib.build_parts(config).model
-  paths = hf.save_hf_checkpoint(params, model_cfg, out, dtype=dtype or None,
+  paths = hf.save_hf_checkpoint(params, model_cfg, out, dtype=export_dtype(config, dtype, src),
                                 base_config=hf.read_hf_config(src) if src else None)
   if jax.process_index() == 0:
     written = tok_lib.copy_tokenizer_files(tok_dir, out)
@@ -60,8 +76,9 @@ def export_run(config, workdir: str, out: str, *, step: int = -1, dtype: str = "
 def check_greedy(config, workdir: str, out: str, num_prompts: int, *,
                  init_from_hf: str = "") -> list[bool]:
   """Greedy continuations of ``num_prompts`` held-out prompts: our sampler on the
-  checkpoint vs transformers ``generate`` on the export, both in float32, stopped
-  at the run's stop ids. Returns one equal/not flag per prompt (prints both)."""
+  checkpoint's params rounded to the export's dtype (the weights the export
+  holds) vs transformers ``generate`` on the export, both computing in float32,
+  stopped at the run's stop ids. Returns one equal/not flag per prompt (prints both)."""
   import torch
   import transformers
   config = config_lib.with_checkpoint_model(config, init_from_hf)
@@ -69,7 +86,8 @@ def check_greedy(config, workdir: str, out: str, num_prompts: int, *,
     config.model.compute_dtype = "float32"
   ctx = RolloutContext.build(config, workdir, with_pool=False, check_budget=False)
   params, _ = restore_params(config, workdir)
-  params = jax.tree.map(lambda a: a.astype("float32"), params)
+  stored = hf.checkpoint_dtype(out) or "float32"
+  params = jax.tree.map(lambda a: a.astype(stored).astype("float32"), params)
   examples = data_lib.held_out_examples(config.data, num_prompts, tokenizer=ctx.tokenizer,
                                         templates_config=config.templates)[:num_prompts]
   prompts = [ctx.prompt_ids(ex) for ex in examples]

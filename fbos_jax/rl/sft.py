@@ -262,7 +262,8 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
                          positive_feedback=ctx.spec.fcp_positive_feedback)
     failures = None
     if s >= self_from:
-      failures = own_failures(config, ctx, state.params, examples[:n_corr],
+      failures = own_failures(config, ctx, state_lib.compute_params(state.params, ctx.model_cfg),
+                              examples[:n_corr],
                               key=jax.random.fold_in(sample_key, s))
     batches, stats = builder(s, examples, failures)
     with jax.set_mesh(mesh):  # attention picks its kernel from the mesh's devices

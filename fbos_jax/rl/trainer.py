@@ -73,6 +73,10 @@ class RLTrainer:
     self.rl_seconds_before = 0.0  # RL time of the run before the restored checkpoint
     self.guard = guards.StepGuard(self.parts.update.skip_nonfinite,
                                   int(config.verifier.max_failed_steps))
+    self.param_watch = guards.ParamChangeWatch(self.parts.model.param_dtype,
+                                               self.parts.optim.learning_rate)
+    # the policy the samplers read: the master in model.compute_dtype, once per version
+    self.policy = state_lib.ComputeCopy(self.parts.model)
 
   # ------------------------------------------------------------------ state
   def init_state(self, params=None) -> state_lib.TrainState:
@@ -116,7 +120,7 @@ class RLTrainer:
     """Held-out accuracy of ``state_or_params`` (a TrainState, or params with
     ``rng``, the run's ``TrainState.rng``); the pass@k draws come from its
     ``eval`` stream at ``step``."""
-    params = getattr(state_or_params, "params", state_or_params)
+    params = self.policy(getattr(state_or_params, "params", state_or_params))
     rng = getattr(state_or_params, "rng", rng)
     if rng is None:
       rng = state_lib.root_rng(self.parts.seed)
@@ -128,8 +132,8 @@ class RLTrainer:
     examples = self.last_examples = next(self.train_iter)
     key = state_lib.stream_key(state.rng, "sample", step)
     t0 = time.perf_counter()
-    batches, m, gfpo = rollout_lib.rollout_step(self.ctx, state.sampling_params(), examples,
-                                                key, gfpo_state=state.gfpo)
+    batches, m, gfpo = rollout_lib.rollout_step(self.ctx, self.policy(state.sampling_params()),
+                                                examples, key, gfpo_state=state.gfpo)
     state = state.after_sampling().replace(gfpo=gfpo)
     return self.update_step(state, examples, batches, m, t0, step)
 
@@ -137,6 +141,7 @@ class RLTrainer:
     """The update of one step on ``batches`` (host numpy), its metrics added to the
     rollout's ``m``; ``t0``: when the step started (its rollout, or its wait)."""
     t1 = time.perf_counter()
+    self.policy.release()  # the sampled version's copy is not needed beside the update
     batches = {k: jax.tree.map(lambda a: sh.put_process_local(a, self.mesh, self.rules), b)
                for k, b in batches.items()}
     with jax.set_mesh(self.mesh):  # attention picks its kernel from the mesh's devices
@@ -179,11 +184,12 @@ class RLTrainer:
       if every > 0 and eval_examples and (s % every == 0 or s == steps):
         m.update(self.evaluate(state, eval_examples, k=k, step=s))
       if cfg.train.probe_every > 0 and s % cfg.train.probe_every == 0:
-        m.update(probe_lib.probe_metrics(self.ctx, state.params, self.last_examples,
+        m.update(probe_lib.probe_metrics(self.ctx, self.policy(state.params), self.last_examples,
                                          state_lib.stream_key(state.rng, "eval", s, 1)))
       self.metrics.write(s, m)
       history.append(dict(m, step=s))
       self.guard.check(m, s)
+      self.param_watch.check(m, s)
       last_acc = m.get("eval/accuracy", last_acc)
       if hasattr(bar, "set_postfix"):
         bar.set_postfix(r1=f"{m['reward/round1']:.2f}", acc=f"{last_acc:.2f}", refresh=False)

@@ -24,7 +24,10 @@ Inside one program, purejaxrl-style (no host round trip):
    ``grad_norm_<term>`` is the norm of a term's weighted contribution,
    ``grad_norm`` that of the sum (see :func:`_grads` for the memory);
 4. an optimizer step that is skipped (params and optimizer state kept) when
-   the loss or gradient is not finite and ``skip_nonfinite``.
+   the loss or gradient is not finite and ``skip_nonfinite``; each step counts
+   the elements of the params whose stored value it changed
+   (``update/param_change_frac``: a master in a dtype too coarse for the
+   learning rate keeps most of them, ``fbos_jax/rl/guards.py:ParamChangeWatch``).
 
 ``state.step`` counts loop steps (skipped ones too): the loop, the checkpoints
 and the metrics share it. The mini-batch order comes from the state's
@@ -131,6 +134,16 @@ def _grads(params, cfg, batches, ucfg, weights, ref_params, prox):
   return grads, loss, terms
 
 
+def param_change_frac(old, new) -> jax.Array:
+  """[] float32: the fraction of the elements of ``old`` whose stored value differs
+  in ``new`` (same pytree). Each leaf's count fuses into the update's elementwise
+  pass, so it holds no second copy of the params."""
+  changed = sum(jnp.sum(a != b, dtype=jnp.float32)
+                for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
+  total = sum(a.size for a in jax.tree.leaves(old))
+  return changed / max(total, 1)
+
+
 def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformation,
                    ucfg: UpdateConfig):
   """Build ``update(state, batches) -> (state, UpdateMetrics)`` (jit it with the
@@ -165,7 +178,8 @@ def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformatio
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_params, new_opt = keep(new_params, params), keep(new_opt, opt_state)
       met = objectives.UpdateMetrics(terms=terms, loss=loss, grad_norm=grad_norm,
-                                     finite=finite.astype(jnp.float32))
+                                     finite=finite.astype(jnp.float32),
+                                     param_change_frac=param_change_frac(params, new_params))
       return (new_params, new_opt, n_bad + (~finite).astype(jnp.int32)), met
 
     (params, opt_state, n_bad), mets = jax.lax.scan(
@@ -192,7 +206,8 @@ def _metrics_shape(ucfg: UpdateConfig):
   z = jnp.zeros(())
   terms = {t.batch: objectives.TermMetrics(stats=objectives.TermStats(z, z, z, z, z),
                                            grad_norm=z, tokens=z) for t in ucfg.terms}
-  return objectives.UpdateMetrics(terms=terms, loss=z, grad_norm=z, finite=z)
+  return objectives.UpdateMetrics(terms=terms, loss=z, grad_norm=z, finite=z,
+                                  param_change_frac=z)
 
 
 def compiled_update(parts, mesh, rules, ucfg: UpdateConfig = None, optim_cfg=None):
