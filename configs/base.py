@@ -257,7 +257,13 @@ VARIANTS = {
     # h100:2x8 (XLA's GPU compiler is not installed where the plans were made).
     "qwen_8b_h100": dict(
         model=_QWEN3_8B, mesh=dict(dcn=-1, data=1, fsdp=1, tensor=8),
-        run=dict(_LARGE_RUN, **{"rl.micro_batches": 32})),
+        run=dict(_LARGE_RUN, **{
+            "rl.micro_batches": 32,
+            # round 2's 512 FAP rows in calls of at most 256 prompts: beside the float32
+            # master and Adam's moments (12.3 GB per GPU) all 512 at once do not fit in
+            # 75% of an H100 (--dry_run --topology=h100:2x8)
+            "sampling.batch_buckets": (8, 16, 32, 64, 128, 256),
+        })),
 }
 
 # Flavors every algorithm file accepts (``:tiny,decoupled``).

@@ -186,3 +186,24 @@ def test_tiny_run_with_the_large_dtypes_logs_param_change_frac(small, one_device
   fracs = [r["update/param_change_frac"] for r in history]
   assert len(fracs) == 2 and min(fracs) >= 0.9, fracs
   assert tr.policy.copies == 2 and tr.param_watch.warnings == 0
+
+
+@pytest.mark.parametrize("engine", ["static", "continuous"])
+def test_plan_samplers_take_the_compute_copy_with_the_state_held_beside(small, one_device_mesh,
+                                                                        engine):
+  """The plan compiles the samplers against the bfloat16 copy, and counts the train
+  state (the float32 master and Adam's moments) as held in HBM beside them."""
+  from fbos_jax import plan as plan_lib
+  c = _with_big_dtypes(small, **{"sampling.engine": engine})
+  parts = plan_lib.plan_parts(c)
+  rules = dict(c.mesh.rules)
+  state = state_lib.abstract_state(parts, one_device_mesh, rules)
+  master = {(tuple(a.shape), a.dtype) for a in jax.tree.leaves(state.params)}
+  progs = plan_lib.step_programs(parts, one_device_mesh, rules)
+  samplers = [p for p in progs if p.name != "update"]
+  assert samplers and all(p.fn is not None for p in samplers)
+  for p in samplers:
+    args = {(tuple(a.shape), a.dtype) for a in jax.tree.leaves(p.args)}
+    assert not args & master, p.name  # no float32 master leaf among its arguments
+    assert p.resident == plan_lib.device_bytes(state) > 0, p.name
+  assert [p.resident for p in progs if p.name == "update"] == [0]

@@ -30,11 +30,12 @@ from fbos_jax.model import qwen
 
 
 def abstract_params(cfg: qwen.ModelConfig, mesh, rules):
-  """ShapeDtypeStructs of the params, sharded by the logical rules on ``mesh``."""
+  """ShapeDtypeStructs of the params the engine reads (the compute copy, in
+  ``cfg.compute_dtype``), sharded by the logical rules on ``mesh``."""
   abstract = qwen.abstract_params(cfg)
   rules = rules if isinstance(rules, dict) else sh.rules_dict(rules)
   specs = sh.tree_specs(qwen.param_logical_axes(cfg), rules, abstract, mesh)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, cfg.dtype,
                                                         sharding=NamedSharding(mesh, s)),
                       abstract, specs, is_leaf=lambda x: isinstance(x, P))
 
