@@ -138,10 +138,19 @@ def param_change_frac(old, new) -> jax.Array:
   """[] float32: the fraction of the elements of ``old`` whose stored value differs
   in ``new`` (same pytree). Each leaf's count fuses into the update's elementwise
   pass, so it holds no second copy of the params."""
-  changed = sum(jnp.sum(a != b, dtype=jnp.float32)
-                for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
-  total = sum(a.size for a in jax.tree.leaves(old))
-  return changed / max(total, 1)
+  changed = sum(_count_changed(a, b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
+  total = float(max(sum(a.size for a in jax.tree.leaves(old)), 1))  # 8.2e9 > int32
+  return changed / total
+
+
+def _count_changed(a, b) -> jax.Array:
+  """[] float32: elements where ``a != b``, counted exactly in int32 (per leading
+  slice when the leaf has 2^31 elements or more; float32 adds 1.0 exactly only up to
+  2^24)."""
+  ne = a != b
+  if ne.size < 2 ** 31:
+    return jnp.sum(ne, dtype=jnp.int32).astype(jnp.float32)
+  return jnp.sum(jnp.sum(ne, axis=tuple(range(1, ne.ndim)), dtype=jnp.int32).astype(jnp.float32))
 
 
 def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformation,
