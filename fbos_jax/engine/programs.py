@@ -38,8 +38,9 @@ the host passes B + 1 when no request waits), or once the staged rows are all
 taken and every shard's live slots fit ``shrink_to`` rows (the next smaller
 row bucket; -1 = off).
 
-Attention: with the Pallas kernel (TPU) every step writes the new key/value
-into its page and the kernel reads the pages in place. On the XLA path (CPU,
+Attention: with the Pallas kernel (TPU; ``pallas_interpret``: the same kernel
+in the Pallas TPU interpreter on CPU, for tests) every step writes the new
+key/value into its page and the kernel reads the pages in place. On the XLA path (CPU,
 GPU) a per-step gather of every row's pages cost ~8x a static-sampler step on
 CPU, so the window gathers the slots' (and staged rows') pages once into a
 dense per-row cache (the static sampler's layout, [B, K, Dh, pb * page_size]),
@@ -86,7 +87,7 @@ class Static:
   pad_id: int
   unroll: bool
   cache_dtype: Optional[str]
-  impl: str  # "xla" | "pallas"
+  impl: str  # "xla" | "pallas" | "pallas_interpret" (the kernel in the TPU interpreter)
   shards: int
   bias: bool
   device_kind: Optional[str]  # target chip (Pallas block sizes)
