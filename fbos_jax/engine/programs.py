@@ -26,8 +26,8 @@ cannot partition the Pallas kernel anyway).
 
 Window (``W = EngineConfig.window`` steps at most, no host round trip): every
 step feeds each live slot's last token at its position, draws the next token
-with ``sampling._choose`` from ``u = uniform(fold_in(fold_in(key_row, t_row),
-sid_row))`` (t_row the row's own step: the static sampler's key contract) and
+with ``sampling._choose`` from ``u = sampling.key_uniform(key_row, t_row,
+sid_row)`` (t_row the row's own step: the static sampler's key contract) and
 stops a row on a stop token or at its ``limit``. A slot whose row stopped takes
 the next staged row of its shard (already prefilled; at most
 ``EngineConfig.swaps_per_step`` per shard and step). ``sources`` says which row
@@ -445,10 +445,8 @@ class _Win:
     logits = sampling.add_logit_bias(logits, rs.get("bias"))
     u = None
     if not st.greedy:
-      keys = _u32(rs["ints"][:, 4:6])
-      u = jax.vmap(lambda k, t, s: jax.random.uniform(
-          jax.random.fold_in(jax.random.fold_in(k, t), s), (), jnp.float32))(
-              keys, rs["ints"][:, _STEP], _u32(rs["ints"][:, 6]))
+      u = jax.vmap(sampling.key_uniform)(_u32(rs["ints"][:, 4:6]), rs["ints"][:, _STEP],
+                                         _u32(rs["ints"][:, 6]))
     return sampling._choose(logits, None, self.temperature, self.top_p, greedy=st.greedy,
                             top_k=st.top_k, use_top_p=st.use_top_p, u=u)
 
