@@ -330,18 +330,20 @@ def _draw(probs, u):
   return bi * blk + jnp.clip(wi, first, last)
 
 
-def _choose(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool,
-            u=None):
-  """logits [N, V] float32 -> (token [N] int32, logprob [N] float32).
+def key_uniform(key, step, stream):
+  """The uniform a sampled row draws its token from at ``step`` (its own response
+  position) on stream ``stream`` (sample j of global prompt i: ``i * n + j``):
+  ``uniform(fold_in(fold_in(key, step), stream))``, float32 scalar. Both samplers
+  draw with it (vmapped over rows); tests recompute a row's draw with it."""
+  return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, step), stream), (),
+                            jnp.float32)
 
-  logprob = log_softmax(logits / T)[token] of the full (untruncated) distribution;
-  greedy uses T = 1. ``u`` [N]: the rows' uniforms (default: drawn from ``key``).
-  """
-  if greedy:
-    tok = _argmax(logits)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
-    return tok, picked - lse
+
+def draw_weights(logits, temperature, top_p, *, top_k: int, use_top_p: bool):
+  """What a sampled draw walks over: logits [N, V] float32 -> (z [N, V] = logits / T,
+  lse [N] = logsumexp(z), w [N, V] = exp(z - max z) with the tokens outside top-k /
+  top-p at 0). The token is the first whose cumulative ``w`` exceeds ``u * sum(w)``
+  (:func:`_draw`); its log-prob is ``z[token] - lse`` (full distribution)."""
   z = logits / temperature
   v = z.shape[-1]
   m = jnp.max(z, axis=-1, keepdims=True)
@@ -359,7 +361,22 @@ def _choose(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
     before = jnp.cumsum(sp, axis=-1) - sp  # mass of strictly more likely tokens
     thresh = jnp.min(jnp.where(before < top_p, srt, jnp.inf), axis=-1, keepdims=True)
     keep = (z >= thresh) if keep is None else keep & (z >= thresh)  # first token always kept
-  probs = e if keep is None else jnp.where(keep, e, 0.0)
+  return z, lse, e if keep is None else jnp.where(keep, e, 0.0)
+
+
+def _choose(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool,
+            u=None):
+  """logits [N, V] float32 -> (token [N] int32, logprob [N] float32).
+
+  logprob = log_softmax(logits / T)[token] of the full (untruncated) distribution;
+  greedy uses T = 1. ``u`` [N]: the rows' uniforms (default: drawn from ``key``).
+  """
+  if greedy:
+    tok = _argmax(logits)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
+    return tok, picked - lse
+  z, lse, probs = draw_weights(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
   if u is None:
     u = jax.random.uniform(key, (z.shape[0],), jnp.float32)
   tok = _draw(probs, u).astype(jnp.int32)
@@ -500,8 +517,7 @@ def _ops(params, key, temperature, top_p, stop_ids, row_ids, logit_bias=None, *,
     k = jax.random.fold_in(key, step)
     u = None
     if sample_ids is not None:
-      u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, i), (), jnp.float32))(
-          sample_ids)
+      u = jax.vmap(lambda i: key_uniform(key, step, i))(sample_ids)
     return _choose(logits, k, temperature, top_p,
                    greedy=st.greedy, top_k=st.top_k, use_top_p=st.use_top_p, u=u)
 
@@ -860,13 +876,24 @@ def teacher_forced_logprobs(params, cfg: qwen.ModelConfig, prompt_tokens, prompt
   Materialises [N, P + R, V] logits: a reference for tests and small batches; the
   trainer's chunked ``fbos_kernels.token_logprobs_and_entropy`` computes the same.
   """
-  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   tokens = jnp.asarray(tokens, jnp.int32)
   rmask = jnp.asarray(response_mask, jnp.int32)
-  seq = jnp.concatenate([prompt_tokens, tokens], axis=1)
-  smask = jnp.concatenate([jnp.asarray(prompt_mask, jnp.int32), rmask], axis=1)
-  logits = qwen.apply(params, seq, smask, cfg)
-  p, r = prompt_tokens.shape[1], tokens.shape[1]
-  z = restrict_vocab(logits[:, p - 1:p - 1 + r], vocab_limit) / temperature
+  z = teacher_forced_logits(params, cfg, prompt_tokens, prompt_mask, tokens, rmask,
+                            vocab_limit=vocab_limit) / temperature
   lp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tokens[..., None], axis=-1)[..., 0]
   return jnp.where(rmask > 0, lp, 0.0)
+
+
+def teacher_forced_logits(params, cfg: qwen.ModelConfig, prompt_tokens, prompt_mask, tokens,
+                          response_mask, *, vocab_limit: int = 0) -> jax.Array:
+  """The logits each response token was drawn from, recomputed by one forward pass on
+  prompt [N, P] + response [N, R]: [N, R, V] float32 (ids >= ``vocab_limit`` at -inf);
+  position t sees the prompt and tokens[:t] only."""
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  seq = jnp.concatenate([prompt_tokens, tokens], axis=1)
+  smask = jnp.concatenate([jnp.asarray(prompt_mask, jnp.int32),
+                           jnp.asarray(response_mask, jnp.int32)], axis=1)
+  logits = qwen.apply(params, seq, smask, cfg)
+  p, r = prompt_tokens.shape[1], tokens.shape[1]
+  return restrict_vocab(logits[:, p - 1:p - 1 + r].astype(jnp.float32), vocab_limit)

@@ -176,9 +176,12 @@ class Engine:
     self.pages_per_shard = int(e.num_pages or need)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     device_kind = mesh.devices.flat[0].device_kind if mesh is not None else None
-    impl = PA.choose(e.attention, platform)
+    try:
+      impl = PA.choose(e.attention, platform, cfg.head_dim)
+    except ValueError as err:
+      raise EngineError(str(err)) from None
     unroll = {"unroll": True, "scan": False}.get(s.layer_loop, platform == "cpu")
-    if impl == "pallas":
+    if impl in PA.KERNEL_IMPLS:
       unroll = True  # the kernel reads one pool array per layer in place
     self.st = programs.Static(
         page_size=ps, window=int(e.window), greedy=s.is_greedy, top_k=int(s.top_k),

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-ATTENTION = ("auto", "xla", "pallas")
+from fbos_jax.model.paged_attention import IMPLEMENTATIONS as ATTENTION
 
 
 class EngineError(ValueError):
@@ -51,7 +51,9 @@ class EngineConfig:
   prefill_buckets: chunk lengths of a prefill call; () = powers of two from 16 up
     to prefill_chunk.
   attention: paged attention: auto (Pallas ragged kernel on TPU, XLA elsewhere),
-    xla or pallas (model/paged_attention.py).
+    xla, pallas (TPU only) or pallas_interpret (the same kernel in the Pallas TPU
+    interpreter, on any platform: the TPU decode path run on CPU, for tests;
+    model/paged_attention.py).
   """
   slots: int = 64
   page_size: int = 16
