@@ -35,9 +35,7 @@ FLAGS = flags.FLAGS
 
 GREEDY, SAMPLED = "eval/accuracy", "eval/pass@1_sampled"
 SHOWN, REFUTED, NOISE = "shown", "refuted", "not separable from noise"
-# the recipe's bound (docs/results/verdict_rule.md): no arm's greedy accuracy falls more
-# than MAX_DROP below the warm start at any eval in its first DROP_WINDOW rollouts
-MAX_DROP, DROP_WINDOW = 0.03, 2000
+MAX_DROP, DROP_WINDOW = evaluation.MAX_DROP, evaluation.DROP_WINDOW  # the recipe's bound
 
 
 class CompareError(ValueError):

@@ -35,3 +35,15 @@ def test_drop_from_start_is_the_lowest_eval_below_the_start():
   assert drop_from_start([{"step": 0, "eval/accuracy": 0.3}])["sampled"] is None
   with pytest.raises(ValueError, match="rollouts"):
     drop_from_start([{"step": 0, "eval/accuracy": 0.3}], within_rollouts=10)
+
+
+def test_the_sweep_picks_the_best_stable_rate_and_refuses_when_none_is_stable():
+  from fbos_jax.rl.evaluation import pick_learning_rate
+  sweep = {"1e-05": {"final_sampled": 0.25, "drop_greedy": -0.01},
+           "3e-05": {"final_sampled": 0.30, "drop_greedy": -0.02},
+           "1e-04": {"final_sampled": 0.35, "drop_greedy": -0.15}}  # best, but unstable
+  assert pick_learning_rate(sweep) == 3e-5
+  sweep["3e-05"]["final_sampled"] = 0.25  # a tie: the smaller rate
+  assert pick_learning_rate(sweep) == 1e-5
+  assert pick_learning_rate({"1e-05": {"final_sampled": 0.3, "drop_greedy": -0.04},
+                             "3e-05": {"final_sampled": 0.3, "drop_greedy": -0.2}}) is None
