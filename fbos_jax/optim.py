@@ -23,7 +23,9 @@ def schedule(optim_cfg):
   optax counts updates from 0 and its warmup schedules start at 0, so used as they
   are, update 0 would train at lr 0 (a whole RL step's rollouts spent on nothing).
   Update k takes the schedule's value at k + 1: the warmup's first nonzero value
-  first, the full rate from update ``warmup_steps - 1``."""
+  first, the full rate from update ``warmup_steps - 1``. ``warmup_from_zero``
+  (the SFT warm start only; :class:`fbos_jax.rl.config.OptimConfig`) keeps optax's
+  count."""
   total_steps = int(optim_cfg.total_steps)
   warm = max(int(optim_cfg.warmup_steps), 0)
   lr = float(optim_cfg.learning_rate)
@@ -36,6 +38,8 @@ def schedule(optim_cfg):
     ) if warm else optax.constant_schedule(lr)
   else:
     raise ValueError(f"optim.schedule={optim_cfg.schedule!r}; expected one of {SCHEDULES}.")
+  if optim_cfg.warmup_from_zero:
+    return sched
   return lambda count: sched(count + 1)
 
 
