@@ -287,7 +287,10 @@ def _stat(xs):
 
 
 def summarize(results, sft_len, budget=None):
+  """The comparison's table, per arm (``{}`` while only sweep runs have finished)."""
   labels = list(dict.fromkeys(r["label"] for r in results))
+  if not labels:
+    return {}
   by = {l: [r for r in results if r["label"] == l] for l in labels}
   base = next((b for b in (REFERENCE, "fbos") if b in by), labels[0])  # the reference run
   base_final = float(np.mean([_final(r["rows"], "eval/accuracy") for r in by[base]]))
