@@ -100,6 +100,12 @@ class OptimConfig:
   grad_clip: float = 0.0
   opt_state_dtype: str = "float32"
   total_steps: int = 1
+  # True: update k at the schedule's value at k, so a warmed-up run's update 0 is at
+  # lr 0 (optax's count). Only the SFT warm start keeps it: its result is sensitive to
+  # the exact schedule (issue 33: with the first update trained, tiny_chain's warm start
+  # landed at greedy 0.16 instead of 0.41), and docs/results rest on that warm start.
+  # RL never does (a whole step's rollouts would train nothing): fbos_jax/optim.py.
+  warmup_from_zero: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from fbos_jax import sharding as sh
 from fbos_jax.model import hf
 from fbos_jax.model import qwen
 from fbos_jax.rl import config as config_lib
+from fbos_jax.rl import evaluation
 from fbos_jax.rl import sft as sft_lib
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl.context import RolloutContext
@@ -126,6 +127,11 @@ def _summary(config, trainer, state, history: list, evals: list, start_acc) -> d
         summary[f"{k.split('/')[1]}_start"] = start_acc.get(k) if start_acc else None
         summary[f"{k.split('/')[1]}_end"] = end[k]
     _print(f"held-out accuracy at RL end:   {_acc_line(end)}")
+    # the lowest eval against the start (greedy, T=1): a run that first undoes its warm
+    # start shows it here even when it ends above the start
+    logged = [r for r in history if "eval/accuracy" in r]
+    summary["held_out/drop_from_start"] = evaluation.drop_from_start(
+        ([{**start_acc, "step": 0}] if start_acc else []) + logged + [end])
   rows = [r for r in history if "time/step_s" in r]
   for k in ("time/sample1_s", "time/round2_s", "time/verify_s", "time/update_s", "time/step_s"):
     vals = [r[k] for r in rows if k in r]

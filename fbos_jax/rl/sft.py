@@ -216,7 +216,8 @@ def _sft_setup(config, ctx, steps: int):
   ucfg = config_lib.UpdateConfig(terms=terms, loss=config_lib.LossConfig(
       temperature=1.0, vocab_limit=ctx.parts.update.loss.vocab_limit))
   optim_cfg = config_lib.optim_config(config.optim, steps, learning_rate=sft.learning_rate,
-                                      warmup_steps=sft.warmup_steps, schedule=sft.schedule)
+                                      warmup_steps=sft.warmup_steps, schedule=sft.schedule,
+                                      warmup_from_zero=True)
   shards = sh.batch_shard_count(ctx.mesh, ctx.rules)
   rows = (buckets.bucket_rows(max(sft.batch_size - n_corr, 1), shards),
           buckets.bucket_rows(max(n_corr, 1), shards))
