@@ -45,7 +45,8 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/fbos.py:tiny")
   from fbos_jax.rl import config as config_lib
   try:  # every bad field at once, before anything is built (the mesh is checked later)
-    config_lib.validate(config, num_batch_shards=1, process_count=1)
+    config_lib.validate(config, num_batch_shards=1, process_count=1,
+                        overrides=config_flags.get_override_values(FLAGS["config"]))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   if FLAGS.dry_run and FLAGS.init_from_hf:  # plan the checkpoint's real architecture

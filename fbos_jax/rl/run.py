@@ -69,7 +69,7 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
     t0 = time.perf_counter()
     params, cached = sft_lib.warm_start(config, trainer.ctx, state,
                                         cache_dir=os.path.join(workdir, "sft"))
-    _print(f"warm start (SFT, {config.sft.steps} steps): "
+    _print(f"warm start (SFT, {sft_lib.describe_steps(config)}): "
            f"{'cached' if cached else f'{time.perf_counter() - t0:.0f}s'}")
     state = trainer.init_state(params)
   evals = trainer.eval_examples
