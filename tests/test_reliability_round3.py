@@ -111,3 +111,120 @@ def test_console_reports_the_steps_the_stages_run(tmp_path, monkeypatch, capsys)
                       lambda config, ctx, state, cache_dir: seen.append(1) or (state.params, True))
   run.run_training(c, str(tmp_path), plot=False)
   assert seen and "warm start (SFT, 6 steps (demos 2 + fixes 4)): cached" in capsys.readouterr().out
+
+
+# ------------------------------------------- 3. every accepted combination builds or is refused
+
+
+def test_stream_rounds_without_a_round_2_is_refused():
+  """Before: GRPO with rl.stream_rounds=True was accepted and did nothing."""
+  c = load("configs/grpo.py:tiny", {"sampling.engine": "continuous", "rl.stream_rounds": True})
+  assert "rl.stream_rounds=True streams round 2 beside round 1, but rl.round2=False" in _invalid(c)
+
+
+def test_too_small_engine_pool_is_refused_when_the_run_is_built(tmp_path):
+  """Before: found at the first engine call (here mid warm start, 28 s in)."""
+  from fbos_jax import engine
+  from fbos_jax.rl.context import RolloutContext
+  c = small_config("configs/fbos.py:tiny", **{"sampling.engine": "continuous",
+                                              "engine.num_pages": 5})
+  config_lib.validate(c, process_count=1)
+  with pytest.raises(engine.EngineError, match=r"engine's sample_round1 calls: "
+                                               r"engine.num_pages=5 per batch shard is too small"):
+    RolloutContext.build(c, str(tmp_path), mesh=one_device_mesh(), with_pool=False)
+  c.engine.num_pages = 0  # the derived size builds
+  RolloutContext.build(c, str(tmp_path), mesh=one_device_mesh(), with_pool=False)
+
+
+def _bool_and_choice_fields(c) -> dict:
+  """{dotted: the values other than the config's} of every boolean field of
+  sampling, engine and rl, and every choice field (config_lib.choice_fields)."""
+  out = {}
+  for section in ("sampling", "engine", "rl"):
+    for k, v in c[section].items():
+      if isinstance(v, bool):
+        out[f"{section}.{k}"] = (not v,)
+  choices = config_lib.choice_fields()
+  for dotted, options in choices.items():
+    *path, last = dotted.split(".")
+    node = c
+    for p in path:
+      node = node[p]
+    out[dotted] = tuple(o for o in options if o != node[last])
+  # every free-text field of the three sections is a known non-choice
+  text = {f"{s}.{k}" for s in ("sampling", "engine", "rl") for k, v in c[s].items()
+          if isinstance(v, str)}
+  assert text - set(choices) <= {"rl.fcp_positive_feedback"}, text - set(choices)
+  return out
+
+
+def _build(c, workdir, tokenizer):
+  """What a run builds before its first step (no training): validation, the typed
+  parts and the context (engine pools, FAP budget), the step's shapes, the state."""
+  from fbos_jax import sharding as sh
+  from fbos_jax.rl import shapes
+  from fbos_jax.rl import state as state_lib
+  from fbos_jax.rl.context import RolloutContext
+  mesh = one_device_mesh()
+  config_lib.validate(c, 1, process_count=1)
+  ctx = RolloutContext.build(c, workdir, mesh=mesh, tokenizer=tokenizer, with_pool=False)
+  shapes.update_shapes(ctx.parts, 1)
+  shapes.sampler_shapes(ctx.parts, 1, eval_prompts=c.train.eval_prompts, eval_k=c.train.eval_k)
+  shapes.engine_shapes(ctx.parts, eval_prompts=c.train.eval_prompts, eval_k=c.train.eval_k)
+  state_lib.abstract_state(ctx.parts, mesh, sh.rules_dict(c.mesh.rules))
+  return ctx
+
+
+def _pairs(c):
+  import itertools
+  values = [(f, v) for f, vs in _bool_and_choice_fields(c).items() for v in vs]
+  return [(a, b) for a, b in itertools.combinations(values, 2) if a[0] != b[0]]
+
+
+SPEC = "configs/fbos.py:tiny"
+# accepted pairs that also run a step (a streamed round 2 on the engine, GOLF's
+# aggregated FAPs with replaced rollouts, FCP prompts with pooled advantages)
+RUN_A_STEP = [
+    (("sampling.engine", "continuous"), ("rl.stream_rounds", True)),
+    (("rl.epa_mode", "replace"), ("rl.fap_mode", "aggregated")),
+    (("rl.advantage", "batch_std"), ("rl.prompt", "fcp")),
+]
+
+
+def test_every_pair_of_boolean_and_choice_fields_is_refused_or_builds(tmp_path):
+  """Each pair of values of the boolean and choice fields of sampling, engine and
+  rl (on the tiny config) is refused by validation or at build, by a ValueError
+  that names a field, or builds."""
+  from fbos_jax.rl.context import RolloutContext
+  base = small_config(SPEC)
+  tokenizer = RolloutContext.build(base, str(tmp_path), with_pool=False).tokenizer
+  pairs = _pairs(base)
+  assert len(pairs) > 300
+  built, refused, wrong = [], 0, []
+  for pair in pairs:
+    c = small_config(SPEC, **dict(pair))
+    try:
+      _build(c, str(tmp_path), tokenizer)
+    except ValueError as e:
+      refused += 1
+      if not any(s in str(e) for s in ("rl.", "sampling.", "engine.", "model.", "templates.")):
+        wrong.append((pair, f"refused without naming a field: {e}"))
+    except Exception as e:  # pylint: disable=broad-except
+      wrong.append((pair, f"{type(e).__name__}: {e}"))
+    else:
+      built.append(pair)
+  assert not wrong, "\n".join(f"{p}: {m}" for p, m in wrong[:20])
+  assert built and refused
+  for pair in RUN_A_STEP:
+    assert tuple(sorted(pair)) in {tuple(sorted(p)) for p in built}, pair
+
+
+@pytest.mark.parametrize("pair", RUN_A_STEP, ids=lambda p: "+".join(f"{f}={v}" for f, v in p))
+def test_a_sample_of_the_built_pairs_runs_a_step(pair, tmp_path):
+  import numpy as np
+  from fbos_jax.rl.trainer import RLTrainer
+  c = small_config(SPEC, **dict(pair), **{"train.steps": 1, "train.checkpoint_every": 0})
+  tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
+  state, history = tr.train()
+  tr.close()
+  assert int(state.step) == 1 and np.isfinite(history[-1]["loss"])

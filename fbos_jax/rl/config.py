@@ -476,24 +476,35 @@ def _validate_rl(config, errs):
   _validate_rl_values(config, errs)
 
 
+# the rl fields that take one of a few names (the terms' losses: fbos_kernels.POLICY_LOSSES)
+RL_CHOICES = {
+    "prompt": ("plain", "fcp"), "advantage": ADVANTAGES, "loss_agg": AGG_MODES,
+    "offpolicy_ratio_denominator": ("one", "behaviour"),
+    "objective_schedule": ("joint", "alternate"), "fap_from": ("failed", "all"),
+    "fap_mode": ("single", "aggregated"), "epa_select": ("correct", "improved", "all"),
+    "epa_mode": ("append", "replace"), "epa_trigger": ("always", "adaptive"),
+    "ecc_advantage": ("group", "improvement"), "gfpo_metric": ("length", "token_efficiency"),
+    "kl_kind": ("k1", "k2", "k3"), "inflight_update": INFLIGHT_UPDATES,
+}
+
+
+def choice_fields() -> dict:
+  """Every field of ``sampling``, ``engine`` and ``rl`` that takes one of a few
+  names, dotted -> the names (what validation accepts; ``tests`` enumerate them)."""
+  import fbos_kernels as K
+  from fbos_jax.engine import types as engine_types
+  out = {"sampling.engine": ENGINES, "engine.attention": engine_types.ATTENTION}
+  out.update({f"rl.{k}": v for k, v in RL_CHOICES.items()})
+  out.update({f"rl.terms.{t}.loss": tuple(sorted(K.POLICY_LOSSES)) for t in TERM_BATCHES})
+  return out
+
+
 def _validate_rl_values(config, errs):
   """Choices and ranges of the rl section, one field at a time."""
   rl = config.rl
   terms = terms_of(config)
-  _choice(errs, "rl.prompt", rl.prompt, ("plain", "fcp"))
-  _choice(errs, "rl.advantage", rl.advantage, ADVANTAGES)
-  _choice(errs, "rl.loss_agg", rl.loss_agg, AGG_MODES)
-  _choice(errs, "rl.offpolicy_ratio_denominator", rl.offpolicy_ratio_denominator,
-          ("one", "behaviour"))
-  _choice(errs, "rl.objective_schedule", rl.objective_schedule, ("joint", "alternate"))
-  _choice(errs, "rl.fap_from", rl.fap_from, ("failed", "all"))
-  _choice(errs, "rl.fap_mode", rl.fap_mode, ("single", "aggregated"))
-  _choice(errs, "rl.epa_select", rl.epa_select, ("correct", "improved", "all"))
-  _choice(errs, "rl.epa_mode", rl.epa_mode, ("append", "replace"))
-  _choice(errs, "rl.epa_trigger", rl.epa_trigger, ("always", "adaptive"))
-  _choice(errs, "rl.ecc_advantage", rl.ecc_advantage, ("group", "improvement"))
-  _choice(errs, "rl.gfpo_metric", rl.gfpo_metric, ("length", "token_efficiency"))
-  _choice(errs, "rl.kl_kind", rl.kl_kind, ("k1", "k2", "k3"))
+  for f, options in RL_CHOICES.items():
+    _choice(errs, f"rl.{f}", rl[f], options)
   if rl.round2 and config.templates.max_prompt_tokens > max(config.sampling.fap_prompt_buckets):
     errs.append(f"templates.max_prompt_tokens={config.templates.max_prompt_tokens} exceeds the "
                 f"largest sampling.fap_prompt_buckets={max(config.sampling.fap_prompt_buckets)}")
@@ -511,6 +522,9 @@ def _validate_rl_values(config, errs):
     errs.append(f"rl.stream_rounds=True streams round 2 into the continuous engine's queue, "
                 f"but sampling.engine={config.sampling.engine!r}; set "
                 "--config.sampling.engine=continuous")
+  if rl.stream_rounds and not rl.round2:
+    errs.append("rl.stream_rounds=True streams round 2 beside round 1, but rl.round2=False "
+                "(this algorithm has no round 2), so it would change nothing; drop it")
   _validate_async(rl, errs)
   if rl.staleness > 0 and not any(t.loss == "decoupled" for t in terms):
     errs.append(f"rl.staleness={rl.staleness} samples with old params, but no term uses the "
@@ -525,7 +539,6 @@ def _validate_async(rl, errs):
     v = rl[f]
     if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
       errs.append(f"rl.{f}={v!r}: must be an integer >= 0")
-  _choice(errs, "rl.inflight_update", rl.inflight_update, INFLIGHT_UPDATES)
   _positive(errs, "rl.sync_chunk_mib", rl.sync_chunk_mib)
   b = rl.prompts_per_step
   if isinstance(rl.buffer_groups, int) and 0 < rl.buffer_groups < b:
