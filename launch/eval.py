@@ -20,11 +20,13 @@ def main(argv):
   del argv
   cli.setup_console_from_flags()
   from fbos_jax.model.hf import CheckpointError
+  from fbos_jax.checkpoint import CheckpointMismatchError, CheckpointRestoreError
   from fbos_jax.rl import evaluation
   try:
     res = evaluation.evaluate_checkpoint(_CONFIG.value, FLAGS.workdir, k=FLAGS.k,
                                          step=FLAGS.step, init_from_hf=FLAGS.init_from_hf)
-  except (FileNotFoundError, CheckpointError) as e:  # no checkpoint / tokenizer / HF dir
+  except (FileNotFoundError, CheckpointError, CheckpointRestoreError,
+          CheckpointMismatchError) as e:  # no (readable, matching) checkpoint / tokenizer / HF dir
     raise app.UsageError(str(e)) from None
   print(json.dumps(res, indent=2))
 

@@ -227,4 +227,235 @@ def test_a_sample_of_the_built_pairs_runs_a_step(pair, tmp_path):
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
   state, history = tr.train()
   tr.close()
-  assert int(state.step) == 1 and np.isfinite(history[-1]["loss"])
+  m = history[-1]
+  assert int(state.step) == 1 and m["policy/finite"] == 1.0 and np.isfinite(m["policy/loss"])
+  assert m["round2/rollouts"] > 0  # fbos: round 2 ran (streamed, aggregated, ...)
+
+
+# ------------------------------------------------ 4. eval and export restore like training
+
+
+def _two_checkpoints(workdir, params=None, **over):
+  """A tiny run's checkpoints at steps 1 and 2 (no training): params x 1 and x 2
+  (``params``: the step-1 params, default the run's init). Returns (config, params)."""
+  import jax
+  import jax.numpy as jnp
+  from fbos_jax.rl.trainer import RLTrainer
+  c = small_config("configs/fbos.py:tiny", **over)
+  tr = RLTrainer(c, str(workdir), mesh=one_device_mesh())
+  state = tr.init_state(params)
+  for step in (1, 2):
+    tr.save(state.replace(step=jnp.asarray(step, jnp.int32),
+                          params=jax.tree.map(lambda a, k=step: a * k, state.params)), force=True)
+    tr.ckpt.wait()
+  tr.close()
+  return c, state.params
+
+
+def _tear(workdir, step):
+  import glob
+  files = glob.glob(os.path.join(str(workdir), "checkpoints", str(step), "state", "**", "d", "*"),
+                    recursive=True)
+  assert files
+  for f in files:
+    with open(f, "wb") as fh:
+      fh.write(b"torn")
+
+
+def test_eval_and_export_fall_back_to_the_newest_readable_checkpoint(tmp_path, caplog):
+  """Before: a torn latest checkpoint stopped eval and export with 147 lines of
+  TensorStore; training already fell back to the previous one."""
+  import logging
+  import jax
+  import numpy as np
+  from fbos_jax.rl.run import restore_params
+  c, params = _two_checkpoints(tmp_path)
+  _tear(tmp_path, 2)
+  with caplog.at_level(logging.WARNING):
+    restored, step = restore_params(c, str(tmp_path), mesh=one_device_mesh())
+  assert step == 1
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  text = "\n".join(r.getMessage() for r in caplog.records)
+  assert os.path.join("checkpoints", "2") in text and "--step" in text
+  assert os.path.isdir(tmp_path / "checkpoints" / "2")  # eval and export move nothing
+
+
+def test_an_unreadable_step_names_itself_and_the_steps_there(tmp_path):
+  from fbos_jax import checkpoint as ckpt_lib
+  from fbos_jax.rl.run import restore_params
+  c, _ = _two_checkpoints(tmp_path)
+  _tear(tmp_path, 2)
+  with pytest.raises(ckpt_lib.CheckpointRestoreError) as e:
+    restore_params(c, str(tmp_path), step=2, mesh=one_device_mesh())
+  msg = str(e.value)
+  assert os.path.join("checkpoints", "2: ") in msg and "steps [1, 2]" in msg
+  assert "--step=N" in msg and "\n" not in msg and len(msg) < 1000
+  out = _launch("eval.py", "--config=configs/fbos.py:tiny", f"--workdir={tmp_path}", "--step=2",
+                *[f"--config.{k}={v}" for k, v in _SMALL_FLAGS.items()])
+  assert out.returncode != 0
+  lines = out.stderr.strip().splitlines()
+  assert len(lines) < 15, out.stderr[-3000:]
+  assert "--step=N" in out.stderr and "Traceback" not in out.stderr
+
+
+# small_config's fields that decide the params' shapes, as --config flags
+_SMALL_FLAGS = {"model.num_layers": 1, "model.hidden_size": 64, "model.intermediate_size": 128,
+                "model.num_heads": 2, "model.num_kv_heads": 1, "data.task": "arithmetic",
+                "data.difficulty": 1, "data.max_difficulty": 2, "train.eval_prompts": 8}
+
+
+def test_eval_and_export_warn_when_the_task_differs_from_the_checkpoints(tmp_path, caplog):
+  """Before: tiny_chain's config on a sort checkpoint evaluated without a word."""
+  import logging
+  from fbos_jax.rl.run import restore_params
+  _two_checkpoints(tmp_path)
+  other = small_config("configs/fbos.py:tiny", **{"data.task": "sort"})
+  with caplog.at_level(logging.WARNING):
+    restore_params(other, str(tmp_path), mesh=one_device_mesh())
+  text = "\n".join(r.getMessage() for r in caplog.records)
+  assert "trained on other data" in text and "data.task: checkpoint='arithmetic' config='sort'" \
+      in text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    restore_params(small_config("configs/fbos.py:tiny"), str(tmp_path), mesh=one_device_mesh())
+  assert "other data" not in "\n".join(r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------- 5. the export check applies the sampler's rules
+
+
+def test_compare_greedy_tells_a_near_tie_from_a_mismatch():
+  import numpy as np
+  from fbos_jax.rl import export
+  scores = [np.zeros(8, np.float32) for _ in range(4)]
+  assert export.compare_greedy([1, 2, 3], [1, 2, 3], scores).status == "equal"
+  scores[1][[2, 5]] = [4.0, 4.0 + 2e-5]
+  r = export.compare_greedy([1, 2, 3], [1, 5, 3], scores)
+  assert (r.status, r.position, r.ok) == ("near_tie", 1, True) and r.gap == pytest.approx(2e-5)
+  scores[1][5] = 4.5
+  r = export.compare_greedy([1, 2, 3], [1, 5, 3], scores)
+  assert (r.status, r.ok) == ("mismatch", False) and r.gap == pytest.approx(0.5)
+  r = export.compare_greedy([1, 2], [1, 2, 3], scores)  # one side stopped
+  assert (r.status, r.position, r.gap) == ("mismatch", 2, float("inf"))
+
+
+def _padded_rows_win(params, limit):
+  """Tied embeddings whose rows at and past ``limit`` (beyond the tokenizer) have the
+  largest logits everywhere: every token's embedding has a large component k, the
+  final norm keeps only k, so h = c * e_k (c > 0) and logit_j = c * E[j, k]."""
+  import jax.numpy as jnp
+  v = params["embed"].shape[0]
+  k = 3
+  col = 100.0 + 0.01 * jnp.arange(v, dtype=jnp.float32)[::-1]  # distinct: no ties
+  col = col.at[limit:].set(110.0)
+  return dict(params, embed=params["embed"].at[:, k].set(col),
+              final_norm=jnp.zeros_like(params["final_norm"]).at[k].set(1.0))
+
+
+def test_export_check_never_draws_beyond_the_tokenizer(tmp_path):
+  """Before: transformers' generate drew ids beyond the tokenizer (151,792 of Qwen3's
+  151,669), which our samplers never draw, and the check failed a sound export."""
+  import torch
+  import transformers
+  from fbos_jax.rl import export
+  from fbos_jax.rl.trainer import RLTrainer
+  c = small_config("configs/fbos.py:tiny")
+  tr = RLTrainer(c, str(tmp_path / "run"), mesh=one_device_mesh())
+  limit = len(tr.ctx.tokenizer)
+  params = _padded_rows_win(tr.init_state().params, limit)
+  tr.close()
+  _two_checkpoints(tmp_path / "run", params)
+  out = str(tmp_path / "hf")
+  export.export_run(c, str(tmp_path / "run"), out, step=1)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+  free = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+  assert (free[0, 3:] >= limit).all()  # the model prefers ids beyond the tokenizer
+  results = export.check_greedy(c, str(tmp_path / "run"), out, 2, step=1)
+  assert [r.status for r in results] == ["equal", "equal"], results
+  assert all(max(r.ours) < limit for r in results)
+  assert "2/2 held-out prompts equal" in export.summarize_greedy(results)
+
+
+# ---------------------------------------------------- 6. the summary's seconds after a resume
+
+
+def test_summary_seconds_stay_consistent_after_a_resume(tmp_path, monkeypatch):
+  """Before: after a resume total_seconds (this part only) was smaller than
+  rl_seconds (both parts): 46 against 70. The first part is made 1000 s longer
+  by the checkpoint's record, as a long run killed late would be."""
+  import json
+  from fbos_jax import checkpoint as ckpt_lib
+  from fbos_jax.rl.run import run_training
+  from fbos_jax.rl.trainer import RLTrainer
+  over = {"train.steps": 3, "train.eval_every": 0, "train.eval_prompts": 0,
+          "train.checkpoint_every": 1}
+
+  def stop(step, *_):
+    if step == 2:
+      raise KeyboardInterrupt  # killed after step 2's checkpoint
+  orig = RLTrainer.train
+  monkeypatch.setattr(RLTrainer, "train", lambda self, *a, **k: orig(self, *a, on_step=stop, **k))
+  with pytest.raises(KeyboardInterrupt):
+    run_training(small_config("configs/grpo.py:tiny", **over), str(tmp_path), plot=False)
+  monkeypatch.setattr(RLTrainer, "train", orig)
+  restore = ckpt_lib.Checkpointer.restore
+
+  def longer(self, *a, **k):
+    state, data, meta = restore(self, *a, **k)
+    return state, data, dict(meta, rl_seconds=meta["rl_seconds"] + 1000.0,
+                             total_seconds=meta["total_seconds"] + 1000.0)
+  monkeypatch.setattr(ckpt_lib.Checkpointer, "restore", longer)
+  _, summary = run_training(small_config("configs/grpo.py:tiny", **over), str(tmp_path),
+                            plot=False)
+  saved = json.load(open(tmp_path / "summary.json"))
+  assert summary["resumed"] and saved["rl_seconds"] > 1000.0
+  assert saved["total_seconds"] >= saved["rl_seconds"], saved
+
+
+# ------------------------------------------------------------------ 7. a real full disk
+
+
+def _small_tmpfs_command(mountpoint, size, argv):
+  """``argv`` run with a fresh tmpfs of ``size`` at ``mountpoint`` (a private mount
+  namespace: nothing to clean up), or None when this machine cannot make one."""
+  import shutil
+  unshare = shutil.which("unshare")
+  if unshare is None:
+    return None
+  wrap = [unshare, "--user", "--map-root-user", "--mount", "sh", "-c",
+          'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"', "sh", size,
+          str(mountpoint)]
+  probe = subprocess.run(wrap + ["true"], capture_output=True, text=True)
+  return wrap + list(argv) if probe.returncode == 0 else None
+
+
+def test_a_real_full_disk_ends_the_run_with_the_cause_last(tmp_path):
+  """Before: on a real full disk the CheckpointSaveError came on line 712 of 1,047,
+  followed by ~335 lines of orbax's "Event loop is closed" and, last, an unrelated
+  ImportError of the interpreter's shutdown. The run's workdir is a 1 MiB tmpfs:
+  its first checkpoints fit, a later one does not."""
+  mnt = tmp_path / "mnt"
+  mnt.mkdir()
+  flags = dict(_SMALL_FLAGS, **{"rl.prompts_per_step": 4, "rl.group_size": 4,
+                                "sampling.max_new_tokens": 6, "train.steps": 6,
+                                "train.checkpoint_every": 1, "train.warm_start": "",
+                                "train.eval_every": 0, "train.progress": False})
+  cmd = _small_tmpfs_command(mnt, "1m", [
+      sys.executable, os.path.join(ROOT, "launch", "train.py"), "--config=configs/grpo.py:tiny",
+      f"--workdir={mnt}/run", *[f"--config.{k}={v}" for k, v in flags.items()]])
+  if cmd is None:
+    pytest.skip("cannot mount a small tmpfs here (no unshare, or user and mount namespaces "
+                "are not allowed)")
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+  lines = out.stderr.strip().splitlines()
+  assert out.returncode != 0 and lines, out.stdout[-2000:]
+  last = lines[-1]
+  assert last.startswith("fbos_jax.checkpoint.CheckpointSaveError: checkpoint save of step "), \
+      "\n".join(lines[-30:])
+  assert "the last complete checkpoint is step" in last
+  assert "No space left on device" in last or "RESOURCE_EXHAUSTED" in last, last
+  assert "Exception ignored" not in out.stderr  # nothing of the shutdown after it
+  assert "Event loop is closed" not in out.stderr  # orbax's orphaned writes, quiet
+  assert "--- Logging error ---" not in out.stderr  # log.txt on the full disk: one line
+  assert out.stderr.count("can no longer be written") <= 1
