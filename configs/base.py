@@ -124,7 +124,7 @@ _TINY_CHAIN_RUN = {
     # its feedback -> the solution), until the model finds its operands and gets
     # about two results in three right; then a stage of mostly corrections of its
     # own failures, at a lower learning rate, so it reads the feedback it will get.
-    "sft.steps": 800,  # the stages' total (what launch/train.py prints)
+    "sft.steps": 800,  # the stages' total (validate checks it equals their sum)
     "sft.stages": (
         {"name": "demos", "steps": 700, "learning_rate": 3e-3, "warmup_steps": 20,
          "fap_fraction": 0.25, "corrections": "corrupt"},
@@ -434,7 +434,8 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   # (e.g. its own steps, learning_rate, fap_fraction, corrections), each from the
   # previous stage's params with a fresh optimizer; every stage is cached, so a
   # stopped warm start resumes at the first stage not done (fbos_jax/rl/sft.py).
-  # () = one stage: the fields above.
+  # () = one stage: the fields above. With stages, sft.steps is their total, and a
+  # --config.sft.X override of a field a stage sets is refused (the stage ignores it).
   c.sft.stages = ()
   return c
 

@@ -99,6 +99,13 @@ def setup_console_from_flags():
   console.setup_logging(f.workdir, verbosity=f.console_verbosity)
 
 
+def fail(e: BaseException, code: int = 1):
+  """Exit with ``e`` as one line (``Type: message``), no traceback and no usage text:
+  for errors whose message says what to do (an unreadable checkpoint and ``--step``)."""
+  sys.stderr.write(f"{type(e).__name__}: {e}\n")
+  sys.exit(code)
+
+
 def stops_with_threads_behind(e: BaseException) -> bool:
   """Whether ``e`` ends a run that leaves background writers behind: a failed
   checkpoint save (``CheckpointSaveError``) or a full disk anywhere (ENOSPC in

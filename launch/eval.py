@@ -25,9 +25,10 @@ def main(argv):
   try:
     res = evaluation.evaluate_checkpoint(_CONFIG.value, FLAGS.workdir, k=FLAGS.k,
                                          step=FLAGS.step, init_from_hf=FLAGS.init_from_hf)
-  except (FileNotFoundError, CheckpointError, CheckpointRestoreError,
-          CheckpointMismatchError) as e:  # no (readable, matching) checkpoint / tokenizer / HF dir
+  except (FileNotFoundError, CheckpointError) as e:  # no checkpoint / tokenizer / HF dir
     raise app.UsageError(str(e)) from None
+  except (CheckpointRestoreError, CheckpointMismatchError) as e:  # unreadable / another model
+    cli.fail(e)
   print(json.dumps(res, indent=2))
 
 

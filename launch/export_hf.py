@@ -36,9 +36,10 @@ def main(argv):
   try:
     paths, step = export_lib.export_run(_CONFIG.value, FLAGS.workdir, FLAGS.out, step=FLAGS.step,
                          dtype=FLAGS.dtype, init_from_hf=FLAGS.init_from_hf)
-  except (FileNotFoundError, CheckpointError, CheckpointRestoreError,
-          CheckpointMismatchError) as e:  # no (readable, matching) checkpoint / tokenizer / HF dir
+  except (FileNotFoundError, CheckpointError) as e:  # no checkpoint / tokenizer / HF dir
     raise app.UsageError(str(e)) from None
+  except (CheckpointRestoreError, CheckpointMismatchError) as e:  # unreadable / another model
+    cli.fail(e)
   print(f"wrote {FLAGS.out} ({len(paths)} files) from step {step}")
   if FLAGS.check_greedy:
     results = export_lib.check_greedy(_CONFIG.value, FLAGS.workdir, FLAGS.out,
