@@ -133,7 +133,7 @@ _TINY_CHAIN_RUN = {
     # from greedy 0.41 to ~0.25 and spent its budget climbing back. The check that no
     # arm falls > 0.03 in its first 2,000 rollouts: docs/results/verdict_rule.md.
     "optim.learning_rate": 1e-5,
-    "sft.steps": 800,  # the stages' total (what launch/train.py prints)
+    "sft.steps": 800,  # the stages' total (validate checks it equals their sum)
     "sft.stages": (
         {"name": "demos", "steps": 700, "learning_rate": 3e-3, "warmup_steps": 20,
          "fap_fraction": 0.25, "corrections": "corrupt"},
@@ -460,7 +460,8 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   # (e.g. its own steps, learning_rate, fap_fraction, corrections), each from the
   # previous stage's params with a fresh optimizer; every stage is cached, so a
   # stopped warm start resumes at the first stage not done (fbos_jax/rl/sft.py).
-  # () = one stage: the fields above.
+  # () = one stage: the fields above. With stages, sft.steps is their total, and a
+  # --config.sft.X override of a field a stage sets is refused (the stage ignores it).
   c.sft.stages = ()
   return c
 

@@ -156,7 +156,8 @@ def shared_setup(c, quick: bool):
   if quick:
     c.model.num_layers, c.model.hidden_size, c.model.intermediate_size = 1, 64, 128
     c.model.num_heads, c.model.num_kv_heads = 2, 1
-    c.sft.steps = 20
+    from fbos_jax.rl import sft as sft_lib
+    sft_lib.set_total_steps(c, 20)  # with stages: each in the recipe's proportions
     c.train.eval_prompts = 16
     c.sampling.max_new_tokens = 6
   c.train.progress = False
@@ -165,6 +166,10 @@ def shared_setup(c, quick: bool):
   for kv in FLAGS.set:
     k, _, v = kv.partition("=")
     configs.set_field(c, k, v)
+  from fbos_jax.rl import config as config_lib
+  ignored = config_lib.stage_override_errors(c, [kv.partition("=")[0] for kv in FLAGS.set])
+  if ignored:  # a --set that the warm start's stages would ignore
+    raise ValueError("--set: " + "; ".join(ignored))
   return c
 
 

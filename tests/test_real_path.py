@@ -91,7 +91,7 @@ def test_qwen_checkpoint_trains_exports_and_reloads(checkpoint_dir, tmp_path):
   with open(os.path.join(out, "config.json")) as f:
     assert json.load(f)["max_position_embeddings"] == 40_960
   same = export_lib.check_greedy(smoke_config(), wd, out, 2, init_from_hf=checkpoint_dir)
-  assert same == [True, True]
+  assert [r.status for r in same] == ["equal", "equal"]
 
 
 def test_eval_of_a_checkpoint_stops_where_training_stops(checkpoint_dir, tmp_path, monkeypatch):

@@ -129,6 +129,60 @@ class _Waiting:
     self.req, self.prompt, self.js, self.key, self.bias, self.limit = req, prompt, js, key, bias, limit
 
 
+class PoolLayout(collections.namedtuple("PoolLayout", (
+    "slots_per_shard", "staged_per_shard", "max_prompt", "row_pages", "stage_pages",
+    "pages_needed", "pages_per_shard", "row_buckets", "page_buckets"))):
+  """The engine's page pool per batch shard (:func:`pool_layout`)."""
+
+
+def pool_layout(e: EngineConfig, s, shards: int = 1, nproc: int = 1) -> PoolLayout:
+  """The page pool of an engine with engine config ``e`` and sampling config ``s``
+  (its ``max_new_tokens`` R and ``prompt_buckets``) over ``shards`` batch shards on
+  ``nproc`` processes: the arithmetic is known before any program is built, so a
+  run checks it at start (``fbos_jax/rl/context.py``). Raises EngineError naming
+  the fields when the slots do not divide over the shards, the pool
+  (``engine.num_pages``) is smaller than the rows need, or a bucket list does not
+  reach its size."""
+  e = e.validate()
+  if e.slots % shards:
+    raise EngineError(f"engine.slots={e.slots} must be a multiple of the mesh's "
+                      f"{shards} batch shards (dcn*data*fsdp).")
+  if shards % nproc:
+    raise EngineError(f"the mesh's {shards} batch shards do not divide over "
+                      f"{nproc} processes.")
+  sps = e.slots // shards  # slots per shard
+  staged = e.slots if e.staged == -1 else int(e.staged)
+  if staged % shards:
+    raise EngineError(f"engine.staged={e.staged} must be a multiple of the mesh's "
+                      f"{shards} batch shards.")
+  qs = staged // shards  # staged rows per shard
+  r = int(s.max_new_tokens)
+  max_prompt = int(e.max_prompt_len or max(int(b) for b in s.prompt_buckets))
+  ps = e.page_size
+  row_pages = -(-(max_prompt + r - 1) // ps)  # pages of the longest row
+  stage_pages = -(-(max_prompt + min(e.window, r) - 1) // ps)
+  need = sps * row_pages + qs * stage_pages + 1
+  if e.num_pages and e.num_pages < need:
+    raise EngineError(
+        f"engine.num_pages={e.num_pages} per batch shard is too small: {sps} slots per "
+        f"shard (engine.slots={e.slots} over {shards} shard(s)) x {row_pages} pages "
+        f"per row (prompt {max_prompt} + max_new_tokens {r} - 1 tokens at "
+        f"engine.page_size={ps}) + {qs} staged rows per shard (engine.staged) x "
+        f"{stage_pages} pages (prompt + one window) + 1 null page = {need}. Raise "
+        "engine.num_pages (or 0 for that size), or lower engine.slots / engine.staged / "
+        "sampling.max_new_tokens / the prompt length.")
+  row_buckets = tuple(e.row_buckets) or pow2_buckets(sps)
+  page_buckets = tuple(e.page_buckets) or pow2_buckets(row_pages)
+  if max(row_buckets) < sps:
+    raise EngineError(f"engine.row_buckets={e.row_buckets} must reach the {sps} slots "
+                      "per batch shard.")
+  if max(page_buckets) < row_pages:
+    raise EngineError(f"engine.page_buckets={e.page_buckets} must reach {row_pages} "
+                      "pages (the longest row).")
+  return PoolLayout(sps, qs, max_prompt, row_pages, stage_pages, need,
+                    int(e.num_pages or need), row_buckets, page_buckets)
+
+
 class Engine:
   """The continuous-batching engine for one model / sampling / engine config / mesh.
 
@@ -145,35 +199,13 @@ class Engine:
     e, s = self.ecfg, self.scfg
     self.nproc = sampling._mesh_processes(mesh)
     self.shards = sh.batch_shard_count(mesh, self.rules) if mesh is not None else 1
-    if e.slots % self.shards:
-      raise EngineError(f"engine.slots={e.slots} must be a multiple of the mesh's "
-                        f"{self.shards} batch shards (dcn*data*fsdp).")
-    if self.shards % self.nproc:
-      raise EngineError(f"the mesh's {self.shards} batch shards do not divide over "
-                        f"{self.nproc} processes.")
-    self.sps = e.slots // self.shards  # slots per shard
-    staged = e.slots if e.staged == -1 else int(e.staged)
-    if staged % self.shards:
-      raise EngineError(f"engine.staged={e.staged} must be a multiple of the mesh's "
-                        f"{self.shards} batch shards.")
-    self.qs = staged // self.shards  # staged rows per shard
-    self.local_shards = self.shards // self.nproc
-    self.R = int(s.max_new_tokens)
-    self.max_prompt = int(e.max_prompt_len or max(int(b) for b in s.prompt_buckets))
+    lay = pool_layout(e, s, self.shards, self.nproc)
+    self.sps, self.qs, self.local_shards = lay.slots_per_shard, lay.staged_per_shard, \
+        self.shards // self.nproc
+    self.R, self.max_prompt = int(s.max_new_tokens), lay.max_prompt
+    self.row_pages, self.stage_pages = lay.row_pages, lay.stage_pages
+    self.pages_per_shard = lay.pages_per_shard
     ps = e.page_size
-    self.row_pages = -(-(self.max_prompt + self.R - 1) // ps)  # pages of the longest row
-    self.stage_pages = -(-(self.max_prompt + min(e.window, self.R) - 1) // ps)
-    need = self.sps * self.row_pages + self.qs * self.stage_pages + 1
-    if e.num_pages and e.num_pages < need:
-      raise EngineError(
-          f"engine.num_pages={e.num_pages} per batch shard is too small: {self.sps} slots per "
-          f"shard (engine.slots={e.slots} over {self.shards} shard(s)) x {self.row_pages} pages "
-          f"per row (prompt {self.max_prompt} + max_new_tokens {self.R} - 1 tokens at "
-          f"engine.page_size={ps}) + {self.qs} staged rows per shard (engine.staged) x "
-          f"{self.stage_pages} pages (prompt + one window) + 1 null page = {need}. Raise "
-          "engine.num_pages (or 0 for that size), or lower engine.slots / engine.staged / "
-          "sampling.max_new_tokens / the prompt length.")
-    self.pages_per_shard = int(e.num_pages or need)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     device_kind = mesh.devices.flat[0].device_kind if mesh is not None else None
     try:
@@ -191,16 +223,9 @@ class Engine:
         bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None,
         swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps,
         vocab_limit=int(s.vocab_limit))
-    self.row_buckets = tuple(e.row_buckets) or pow2_buckets(self.sps)
-    self.page_buckets = tuple(e.page_buckets) or pow2_buckets(self.row_pages)
+    self.row_buckets, self.page_buckets = lay.row_buckets, lay.page_buckets
     self.prefill_buckets = tuple(e.prefill_buckets) or pow2_buckets(e.prefill_chunk, 16)
     self.chunk = min(int(e.prefill_chunk), max(self.prefill_buckets))
-    if max(self.row_buckets) < self.sps:
-      raise EngineError(f"engine.row_buckets={e.row_buckets} must reach the {self.sps} slots "
-                        "per batch shard.")
-    if max(self.page_buckets) < self.row_pages:
-      raise EngineError(f"engine.page_buckets={e.page_buckets} must reach {self.row_pages} "
-                        "pages (the longest row).")
     self.pages = PageAllocator(self.local_shards, self.pages_per_shard)
     self.stop_ids = set(int(t) for t in s.stop_token_ids)
 

@@ -51,6 +51,31 @@ OVER_LONG_HINT = ("raise the budget, or drop such records at load with "
                   "--config.data.max_prompt_tokens=N (data.over_long=filter)")
 
 
+def check_engine_pools(parts: config_lib.RunParts, mesh=None, rules=None, *, probe=False):
+  """With ``sampling.engine=continuous``: the page pool of each kind of sampler call
+  a run makes (``fbos_jax.rl.shapes.sampler_calls``; round 2's too with the probe)
+  fits ``engine.num_pages`` and the mesh (``fbos_jax.engine.runner.pool_layout``):
+  checked when the run is built, not at the first engine call (mid warm start).
+  Raises EngineError naming the fields and the call."""
+  sp = parts.sampling
+  if sp.engine != "continuous":
+    return
+  from fbos_jax import sampling as sampling_lib
+  from fbos_jax.engine import runner
+  from fbos_jax.rl import shapes
+  shards = sh.batch_shard_count(mesh, rules) if mesh is not None else 1
+  calls = {name: scfg for name, (_, _, scfg) in
+           shapes.sampler_calls(parts, eval_prompts=1, eval_k=2).items()}
+  if probe:
+    calls.setdefault("sample_round2", sp.round2)
+  for name, scfg in calls.items():
+    try:
+      runner.pool_layout(shapes.engine_config(parts), scfg, shards,
+                         sampling_lib._mesh_processes(mesh))
+    except runner.EngineError as e:
+      raise runner.EngineError(f"the continuous engine's {name} calls: {e}") from None
+
+
 class RolloutContext:
   """Everything the host side of a step needs, built once (see the module doc)."""
 
@@ -98,6 +123,8 @@ class RolloutContext:
                           num_workers=vc.workers, timeout_s=vc.timeout_s, backend=vc.backend,
                           reward_range=tuple(vc.reward_range),
                           max_abandoned_threads=vc.max_abandoned_threads)
+    check_engine_pools(parts, mesh, sh.rules_dict(config.mesh.rules),
+                       probe=bool(config.train.get("probe_every", 0)))
     budget = None
     if check_budget:
       from fbos_jax.verifiers import procedural

@@ -71,6 +71,9 @@ class RLTrainer:
                                       save_every=config.train.checkpoint_every,
                                       keep=config.train.keep_checkpoints)
     self.rl_seconds_before = 0.0  # RL time of the run before the restored checkpoint
+    # the whole run's wall time before the restored checkpoint (warm start, RL, evals)
+    # and when this part started (run_training sets it to its own start)
+    self.total_seconds_before, self.started = 0.0, time.perf_counter()
     self.guard = guards.StepGuard(self.parts.update.skip_nonfinite,
                                   int(config.verifier.max_failed_steps))
     self.param_watch = guards.ParamChangeWatch(self.parts.model.param_dtype,
@@ -87,7 +90,7 @@ class RLTrainer:
   def save(self, state, force: bool = False, rl_seconds: float = 0.0):
     meta = {"model": self.config.model.to_dict(), "algo": self.config.algo,
             "config": self.config.to_dict(), "layout": state_lib.layout(self.parts),
-            "rl_seconds": float(rl_seconds)}
+            "rl_seconds": float(rl_seconds), "total_seconds": self.total_seconds()}
     data_state = self._data_state()
     self.ckpt.save(int(state.step), state, distributed.per_process_state(data_state), meta,
                    force=force)
@@ -111,8 +114,15 @@ class RLTrainer:
     if data_state and hasattr(self.train_iter, "set_state"):
       self.train_iter.set_state(data_state)
     self.rl_seconds_before = float(meta.get("rl_seconds", 0.0))
+    # a checkpoint written before total_seconds was recorded: at least its RL time
+    self.total_seconds_before = float(meta.get("total_seconds", self.rl_seconds_before))
     logging.info("Resumed from %s at step %d", self.ckpt.directory, self.ckpt.restored_step)
     return restored, True
+
+  def total_seconds(self) -> float:
+    """The run's wall time so far: the parts before the restored checkpoint and
+    this one since ``started`` (so it is never less than the RL time)."""
+    return self.total_seconds_before + time.perf_counter() - self.started
 
   # ------------------------------------------------------------------ one step
   def evaluate(self, state_or_params, examples: list, *, k: int = 1, step: int = 0,
