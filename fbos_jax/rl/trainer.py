@@ -22,6 +22,7 @@ from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data as data_lib
 from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
+from fbos_jax import program_cache
 from fbos_jax import sharding as sh
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import evaluation
@@ -73,6 +74,7 @@ class RLTrainer:
     self.rl_seconds_before = 0.0  # RL time of the run before the restored checkpoint
     self.guard = guards.StepGuard(self.parts.update.skip_nonfinite,
                                   int(config.verifier.max_failed_steps))
+    self.compile_watch = None  # compiles after the compile set (compile_at_start)
 
   # ------------------------------------------------------------------ state
   def init_state(self, params=None) -> state_lib.TrainState:
@@ -110,6 +112,23 @@ class RLTrainer:
     logging.info("Resumed from %s at step %d", self.ckpt.directory, self.ckpt.restored_step)
     return restored, True
 
+  # ------------------------------------------------------------------ compile set
+  def compile_at_start(self, state, say=None) -> dict:
+    """Compile every program the run can call (``fbos_jax/compile_set.py``: the
+    samplers or the engine, the update, the eval's samplers) before step 1, with
+    a progress bar, then count each compile after it in ``compile/after_start``
+    (warned, naming the program and its shapes). Returns {"programs": count,
+    "seconds": wall time, "groups": ...}."""
+    from fbos_jax import compile_set
+    cfg = self.config
+    evals = len(self.eval_examples) * jax.process_count()
+    groups = compile_set.run_programs(self.ctx, state, eval_prompts=evals,
+                                      eval_k=cfg.train.eval_k)
+    report = compile_set.compile_all(
+        groups, progress=cfg.train.progress and jax.process_index() == 0, say=say)
+    self.compile_watch = program_cache.CompileWatch()
+    return report
+
   # ------------------------------------------------------------------ one step
   def evaluate(self, state_or_params, examples: list, *, k: int = 1, step: int = 0,
                rng=None) -> dict:
@@ -137,8 +156,7 @@ class RLTrainer:
     """The update of one step on ``batches`` (host numpy), its metrics added to the
     rollout's ``m``; ``t0``: when the step started (its rollout, or its wait)."""
     t1 = time.perf_counter()
-    batches = {k: jax.tree.map(lambda a: sh.put_process_local(a, self.mesh, self.rules), b)
-               for k, b in batches.items()}
+    batches = update_lib.place_batches(batches, self.mesh, self.rules)
     with jax.set_mesh(self.mesh):  # attention picks its kernel from the mesh's devices
       state, um = update_lib.compiled_update(self.parts, self.mesh, self.rules)(state, batches)
     m.update(objectives.log_metrics(um, self.parts.update.batch_names))
@@ -181,6 +199,9 @@ class RLTrainer:
       if cfg.train.probe_every > 0 and s % cfg.train.probe_every == 0:
         m.update(probe_lib.probe_metrics(self.ctx, state.params, self.last_examples,
                                          state_lib.stream_key(state.rng, "eval", s, 1)))
+      if self.compile_watch is not None:
+        from fbos_jax import compile_set
+        m.update(compile_set.after_start(self.compile_watch.take(), s, first=step == start))
       self.metrics.write(s, m)
       history.append(dict(m, step=s))
       self.guard.check(m, s)
@@ -198,6 +219,8 @@ class RLTrainer:
     return state, history
 
   def close(self):
+    if self.compile_watch is not None:
+      self.compile_watch.close()
     self.ckpt.close()
     self.metrics.close()
     self.ctx.close()
