@@ -857,7 +857,8 @@ def call_args(params, scfg: SamplingConfig, chunk: list, ids, bb: int, plen: int
 
 def sample_key(key):
   """The key as a generate program takes it (raw threefry bits)."""
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and str(jax.random.key_impl(key)) == "threefry2x32":
+  if (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+      and str(jax.random.key_impl(key)) == "threefry2x32"):
     return jax.random.key_data(key)  # one program serves typed and raw threefry keys
   return key
 

@@ -73,7 +73,7 @@ from fbos_jax.model import qwen
 _NULL = PA.NULL_PAGE
 
 
-def pow2_buckets(cap: int, start: int = 1, growth: int = 2) -> tuple:
+def bucket_ladder(cap: int, start: int = 1, growth: int = 2) -> tuple:
   """start, g*start, g^2*start, ... below cap, and cap itself (g = ``growth``,
   ``engine.bucket_growth``: 2 = powers of two; 0 = cap alone)."""
   if int(growth) == 0:
@@ -193,12 +193,12 @@ class Engine:
         swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps,
         vocab_limit=int(s.vocab_limit))
     grow = int(e.bucket_growth)
-    self.row_buckets = tuple(e.row_buckets) or pow2_buckets(self.sps, 1, grow)
-    self.page_buckets = tuple(e.page_buckets) or pow2_buckets(self.row_pages, 1, grow)
-    self.prefill_buckets = tuple(e.prefill_buckets) or pow2_buckets(e.prefill_chunk, 16, grow)
+    self.row_buckets = tuple(e.row_buckets) or bucket_ladder(self.sps, 1, grow)
+    self.page_buckets = tuple(e.page_buckets) or bucket_ladder(self.row_pages, 1, grow)
+    self.prefill_buckets = tuple(e.prefill_buckets) or bucket_ladder(e.prefill_chunk, 16, grow)
     # a prompt's samples on one shard: up to its slots + staged places, one copy less
     # (never one bucket: each copy is written, so few samples must not pay for many)
-    self.copies_buckets = pow2_buckets(self.sps + self.qs, 1, grow or 2)
+    self.copies_buckets = bucket_ladder(self.sps + self.qs, 1, grow or 2)
     self.chunk = min(int(e.prefill_chunk), max(self.prefill_buckets))
     if max(self.row_buckets) < self.sps:
       raise EngineError(f"engine.row_buckets={e.row_buckets} must reach the {self.sps} slots "
