@@ -41,6 +41,10 @@ _QWEN3_8B = dict(model_type="qwen3", vocab_size=151_936, hidden_size=4096,
 _LARGE_RUN = {
     "data.source": "jsonl", "data.verifier": "math", "templates.style": "verbose",
     "templates.max_prompt_tokens": 4096, "optim.learning_rate": 1e-6,
+    # one update program per pair of prompt buckets, not one per row bucket too: the
+    # run compiles every program before step 1 (fbos_jax/compile_set.py), and each
+    # is a whole-model program (--dry_run prints the count and the compile time)
+    "rl.fixed_row_buckets": True,
 }
 
 _TINY_MODEL = dict(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=384,
@@ -187,6 +191,7 @@ VARIANTS = {
             # program, round 2's prefill into a 7.47 GiB page pool, peaks at 8.27 GiB (52%)
             # (--dry_run --topology=v5e:2x4)
             "sampling.engine": "continuous",
+            "engine.bucket_growth": 0,  # one bucket per engine dimension (as qwen_8b)
         })),
     # Qwen/Qwen3-8B (untied embeddings, 8,190,735,360 parameters) on a v5p pod
     # slice: FSDP over the slice, 4-way tensor parallel inside a host.
@@ -199,6 +204,11 @@ VARIANTS = {
             # (--dry_run --topology=v5p:2x4x4; roofline: step >= 25.1 s vs 27.9 s static)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
+            # one bucket per engine dimension (rows, page-table width, prefill chunk):
+            # a memory-bound TPU decode step costs about the same at any row count and
+            # the Pallas kernel reads only the pages in use, so padding is nearly free,
+            # and the compile set is a few dozen programs, not hundreds (--dry_run)
+            "engine.bucket_growth": 0,
             # split for the asynchronous loop (rl.rollout_devices=16 of 32): the rollout
             # mesh's 16 chips on 8 hosts need 8 batch shards, one per host, for the engine
             "rl.rollout_mesh.tensor": 2,
@@ -223,6 +233,11 @@ VARIANTS = {
             # 293 s static, under the assumed response lengths it prints)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
+            # one bucket per engine dimension (rows, page-table width, prefill chunk):
+            # a memory-bound TPU decode step costs about the same at any row count and
+            # the Pallas kernel reads only the pages in use, so padding is nearly free,
+            # and the compile set is a few dozen programs, not hundreds (--dry_run)
+            "engine.bucket_growth": 0,
             "rl.rollout_mesh.tensor": 2,  # as qwen_8b's: one batch shard per host when split
         })),
     # The real-user path at CPU size: a Qwen3 checkpoint directory (the real-shape
@@ -250,6 +265,7 @@ VARIANTS = {
             "sampling.batch_buckets": (4, 8, 16),
             "rl.prompts_per_step": 4, "rl.group_size": 4, "rl.round2_size": 4,
             "rl.epa_max_per_prompt": 4,
+            "rl.fixed_row_buckets": True,  # a small compile set (fbos_jax/compile_set.py)
             "optim.learning_rate": 1e-5, "optim.warmup_steps": 0,
             "train.steps": 3, "train.eval_every": 3, "train.eval_prompts": 8,
             "train.checkpoint_every": 3,
@@ -432,6 +448,9 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.train.keep_checkpoints = 3
   c.train.warm_start = ""  # "" | "sft" (train configs/sft.py first, cached in the workdir)
   c.train.progress = True
+  # compile every program the run can call before step 1 (fbos_jax/compile_set.py;
+  # a compile after it is counted in compile/after_start and warned about)
+  c.train.compile_at_start = True
   # >0: every this many steps, the feedback-reading probe on the step's prompts
   # (fbos_jax/rl/probe.py: log p(gold | FAP) vs log p(gold | q), fix vs resample rates and
   # the controls, logged as probe/*); it samples ~4x the failed rollouts again

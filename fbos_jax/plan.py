@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -254,6 +255,7 @@ class ProgramReport:
   error: str = ""  # the compiler's message when it did not compile (or the refusal)
   refused: bool = False  # not built: the engine refused its config (error says why)
   resident: int = 0  # held beside it, not an argument (Program.resident)
+  seconds: float = 0.0  # lowering + compiling it here
 
   @property
   def peak(self) -> int:
@@ -279,9 +281,11 @@ def compile_program(prog: Program, mesh) -> ProgramReport:
   if prog.refused:
     rep.error, rep.refused = prog.refused, True
     return rep
+  t0 = time.perf_counter()
   try:
     with jax.set_mesh(mesh):
       compiled = prog.fn.lower(*prog.args).compile()
+    rep.seconds = time.perf_counter() - t0
   except Exception as e:  # noqa: BLE001  (XLA reports OOM as a compile error)
     msg = str(e)
     m = _OOM_RE.search(msg)
@@ -373,7 +377,10 @@ def compile_plan(config, topology: str, *, search: bool = True,
                     reports, engine_shapes=shapes_lib.engine_shapes(parts, **kw),
                     engine=parts.sampling.engine, lengths=lengths)
   model_cfg = parts.model
+  processes = len({getattr(d, "process_index", 0) for d in devices})
+  cset = compile_set_plan(parts, mesh, rules, reports, processes=processes, **kw)
   return {
+      "compile_set": cset,
       "topology": topology, "chip": chip.name, "device_kind": devices[0].device_kind,
       "num_devices": len(devices), "mesh": dict(mesh.shape), "batch_shards": shards,
       "hbm_bytes": hbm, "fit_fraction": frac,
@@ -388,6 +395,65 @@ def compile_plan(config, topology: str, *, search: bool = True,
       "suggestions": suggestions, "roofline": est,
       "est_step_s": est["step_s"],
   }
+
+
+def compile_set_plan(parts, mesh, rules, reports: dict, *, processes: int = 1,
+                     eval_prompts: int = 0, eval_k: int = 1) -> dict:
+  """The run's compile set on ``mesh`` (``fbos_jax/compile_set.py``: every
+  program it can call, compiled before step 1), counted from the shape model,
+  and its compile time estimated from ``reports`` (each program at its kind's
+  largest shape, compiled by the plan on this machine; smaller buckets compile
+  about as fast or faster). Returns {"programs": count, "est_seconds": seconds,
+  "groups": {name: {"programs": n, "est_seconds": s, "kinds": {kind: n}}}}."""
+  from fbos_jax.engine import Engine, EngineError
+  shards = sh.batch_shard_count(mesh, rules)
+  kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
+  secs = lambda name: reports[name].seconds if name in reports else 0.0
+  groups = {}
+  if parts.sampling.engine == "continuous":
+    for names, scfg, n_max in shapes_lib.engine_runs(parts, **kw):
+      label = " + ".join(names) + " (engine)"
+      try:
+        eng = Engine(parts.model, scfg, parts.sampling.engine_config, mesh=mesh, rules=rules)
+      except (EngineError, ValueError) as e:
+        groups[label] = {"programs": 0, "est_seconds": 0.0, "kinds": {}, "refused": str(e)}
+        continue
+      kinds: dict = {}
+      for shape in eng.program_shapes(n_max):
+        kinds[shape[0]] = kinds.get(shape[0], 0) + 1
+      # names like "rounds (streamed)" are not plan programs: time them by round 2's
+      plan_names = [("sample_round2" if "streamed" in n else n) for n in names]
+      t = {k: max(secs(f"{n}/{k}") for n in plan_names) for k in ENGINE_KINDS}
+      groups[label] = {"programs": sum(kinds.values()), "kinds": kinds,
+                       "est_seconds": sum(v * t.get(k, 0.0) for k, v in kinds.items())}
+  else:
+    for name, (_, _, buckets) in shapes_lib.sampler_programs(parts, shards, processes,
+                                                             **kw).items():
+      groups[f"{name} (static sampler)"] = {"programs": len(buckets), "kinds": {},
+                                            "est_seconds": len(buckets) * secs(name)}
+  n_update = len(shapes_lib.update_programs(parts, shards, processes))
+  groups["update"] = {"programs": n_update, "kinds": {},
+                      "est_seconds": n_update * secs("update")}
+  return {"programs": sum(g["programs"] for g in groups.values()),
+          "est_seconds": sum(g["est_seconds"] for g in groups.values()), "groups": groups}
+
+
+def format_compile_set(cset: dict) -> list[str]:
+  """The plan's lines on the compile set (count and estimated compile time)."""
+  lines = [f"compile set (every program the run can call, compiled before step 1): "
+           f"{cset['programs']:,} programs, about {cset['est_seconds'] / 60:.1f} min to compile "
+           "here (each timed at its kind's largest shape above)"]
+  for name, g in cset["groups"].items():
+    if g.get("refused"):
+      lines.append(f"  {name:<36} refused by the engine: {g['refused']}")
+      continue
+    kinds = ", ".join(f"{v} {k}" for k, v in g["kinds"].items())
+    lines.append(f"  {name:<36} {g['programs']:>5} programs{' (' + kinds + ')' if kinds else ''}"
+                 f", ~{g['est_seconds']:.0f} s")
+  lines.append("  knobs: engine.bucket_growth (fewer row / page / chunk / copy buckets), "
+               "engine.row_buckets / page_buckets / prefill_buckets, sampling.batch_buckets, "
+               "the prompt buckets, rl.fixed_row_buckets")
+  return lines
 
 
 def _search(parts, mesh, rules, name: str, budget: float, say, eval_prompts: int,
@@ -555,6 +621,7 @@ def format_compiled_plan(plan: dict) -> str:
       if plan["suggestions"].get(name):
         lines.append(f"  found by recompiling: {plan['suggestions'][name]}")
   lines += [""] + format_roofline(plan["roofline"])
+  lines += [""] + format_compile_set(plan["compile_set"])
   lines.append("fits: " + ("yes" if plan["fits"] else "NO"))
   return "\n".join(lines)
 
@@ -605,13 +672,15 @@ def plan_json(plan: dict) -> dict:
   return {"topology": plan["topology"], "hbm_bytes": plan["hbm_bytes"], "fits": plan["fits"],
           "programs": {k: {"peak_bytes": (r.peak if not r.error else None), "flops": r.flops,
                            "xla_flops": r.xla_flops, "temp_bytes": r.temp,
-                           "argument_bytes": r.argument}
+                           "argument_bytes": r.argument, "compile_s": r.seconds}
                        for k, r in plan["programs"].items()},
           "est_step_s": plan["est_step_s"], "mfu_bound": plan["roofline"]["mfu_bound"],
           "sampler": plan["sampler"],
           "est_step_s_static": plan["roofline"]["step_s_static"],
           "est_step_s_continuous": plan["roofline"]["step_s_continuous"],
-          "suggestions": plan["suggestions"], "dtypes": plan["dtypes"]}
+          "suggestions": plan["suggestions"], "dtypes": plan["dtypes"],
+          "compile_set": {"programs": plan["compile_set"]["programs"],
+                          "est_seconds": plan["compile_set"]["est_seconds"]}}
 
 
 # ----------------------------------------------------------------------------- abstract plan

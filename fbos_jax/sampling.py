@@ -672,7 +672,7 @@ def get_generate_fn(cfg: qwen.ModelConfig, scfg: SamplingConfig, *, batch: int, 
   key = (cfg, st, int(batch), int(prompt_len), int(n_per_prompt), mesh, _rules_key(rules))
   return _PROGRAMS.get(key, lambda: jax.jit(
       functools.partial(_generate, cfg=cfg, st=st, n=int(n_per_prompt), mesh=mesh, rules=rules),
-      donate_argnums=(1, 2)))
+      donate_argnums=(1, 2)), name="static sampler")
 
 
 def compiled_programs() -> int:
@@ -812,8 +812,7 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
     if logit_bias.shape != (len(rows), cfg.vocab_size):
       raise SamplingError(f"logit_bias has shape {logit_bias.shape}; expected "
                           f"[num_prompts, vocab] = {(len(rows), cfg.vocab_size)}.")
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and str(jax.random.key_impl(key)) == "threefry2x32":
-    key = jax.random.key_data(key)  # one program serves typed and raw threefry keys
+  key = sample_key(key)
   max_b = max(int(x) for x in scfg.batch_buckets)
   # multi-process: each process's bucket is a multiple of its batch shards
   local_shards = sh.batch_shard_count(mesh, rules) // nproc if nproc > 1 else 1
@@ -841,26 +840,43 @@ def _call(fn, params, scfg: SamplingConfig, chunk: list, ids, bb: int, plen: int
           mesh, rules, logit_bias=None) -> dict:
   """One program call on ``chunk`` (this process's prompts, padded to ``bb``
   with dummy rows); this process's output rows as numpy."""
+  args = call_args(params, scfg, chunk, ids, bb, plen, key, mesh, rules, logit_bias)
+  start = sh.local_row_start(args[1]) * n  # this process's first output row
+  # under the mesh, attention picks its kernel from the mesh's devices (Pallas on TPU)
+  mesh_ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+  with warnings.catch_warnings(), mesh_ctx:  # donated prompts alias outputs only when n == 1
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    res = fn(*args)
+  keep = len(chunk) * n  # dummy prompts are the last rows
+  return {k: sh.host_rows(v, (start, start + keep)) for k, v in res.items()}
+
+
+def call_args(params, scfg: SamplingConfig, chunk: list, ids, bb: int, plen: int, key, mesh,
+              rules, logit_bias=None) -> tuple:
+  """The arguments of one generate call (:func:`get_generate_fn`) on ``chunk``
+  (this process's prompts, left-padded to ``plen`` and padded to ``bb`` with
+  dummy rows; ``ids`` their indices in the key contract), placed on ``mesh`` as
+  the call places them (a compile set lowers the programs with them)."""
   temperature = np.float32(scfg.temperature if not scfg.is_greedy else 1.0)
   toks, mask = buckets.left_pad(chunk, plen, scfg.pad_id, rows=bb)
   row_ids = np.full((bb,), -1, np.int32)  # global prompt index (-1: dummy row)
   row_ids[:len(chunk)] = ids
   put = (lambda x: sh.put_process_local(x, mesh, rules)) if mesh is not None else jnp.asarray
-  d_toks = put(toks)
-  start = sh.local_row_start(d_toks) * n  # this process's first output row
   extra = ()
   if logit_bias is not None:
     bias = np.zeros((bb, logit_bias.shape[1]), np.float32)
     bias[:len(chunk)] = logit_bias
     extra = (put(bias),)
-  # under the mesh, attention picks its kernel from the mesh's devices (Pallas on TPU)
-  mesh_ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-  with warnings.catch_warnings(), mesh_ctx:  # donated prompts alias outputs only when n == 1
-    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    res = fn(params, d_toks, put(mask), key, temperature, np.float32(scfg.top_p),
-             stop_id_array(scfg.stop_token_ids), put(row_ids), *extra)
-  keep = len(chunk) * n  # dummy prompts are the last rows
-  return {k: sh.host_rows(v, (start, start + keep)) for k, v in res.items()}
+  return (params, put(toks), put(mask), key, temperature, np.float32(scfg.top_p),
+          stop_id_array(scfg.stop_token_ids), put(row_ids)) + extra
+
+
+def sample_key(key):
+  """The key as a generate program takes it (raw threefry bits)."""
+  if (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+      and str(jax.random.key_impl(key)) == "threefry2x32"):
+    return jax.random.key_data(key)  # one program serves typed and raw threefry keys
+  return key
 
 
 # ----------------------------------------------------------------------------- reference

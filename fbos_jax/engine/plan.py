@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fbos_jax import sampling
 from fbos_jax import sharding as sh
 from fbos_jax.engine import programs
-from fbos_jax.engine.runner import Engine, pow2_buckets
+from fbos_jax.engine.runner import Engine
 from fbos_jax.engine.types import EngineConfig
 from fbos_jax.model import qwen
 
@@ -46,7 +46,7 @@ def copies_bucket(eng: Engine, n_per_prompt: int) -> int:
   shard) share its full pages and each but one gets a private copy of its
   partial last page (the runner's bucket; 0 when a prompt has one sample)."""
   most = min(int(n_per_prompt), eng.sps + eng.qs) - 1
-  return min(b for b in pow2_buckets(eng.sps + eng.qs) if b >= most) if most > 0 else 0
+  return min(b for b in eng.copies_buckets if b >= most) if most > 0 else 0
 
 
 def abstract_programs(cfg: qwen.ModelConfig, scfg: sampling.SamplingConfig,

@@ -583,7 +583,8 @@ def get_fn(kind: str, cfg: qwen.ModelConfig, st: Static, *, mesh=None, rules=Non
   (model config, static options, mesh, rules) and cached; one compile per shape
   bucket."""
   key = (kind, cfg, st, mesh, _rules_key(rules), pages_per_shard if kind == "init" else 0)
-  return _PROGRAMS.get(key, lambda: _build(kind, cfg, st, mesh, rules, pages_per_shard))
+  return _PROGRAMS.get(key, lambda: _build(kind, cfg, st, mesh, rules, pages_per_shard),
+                       name=f"engine {kind}")
 
 
 def _build(kind, cfg, st, mesh, rules, pages_per_shard):

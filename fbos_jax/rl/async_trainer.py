@@ -206,6 +206,14 @@ class AsyncRLTrainer(RLTrainer):
             "async/version_collisions": item.collisions}
 
   # ------------------------------------------------------------------ the loop
+  def compile_at_start(self, state, say=None):
+    """Not built for the asynchronous loop (its rollout worker samples on its own
+    mesh, with in-flight weight updates): its programs compile on first call."""
+    (say or logging.info)("compile set: not enumerated for the asynchronous loop "
+                          "(rl.rollout_devices / rl.max_staleness); programs compile on "
+                          "first call")
+    return None
+
   def train(self, state=None, *, steps: Optional[int] = None, **kw):
     self._stop_at = int(self.config.train.steps if steps is None else steps)
     try:

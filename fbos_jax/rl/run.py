@@ -122,6 +122,9 @@ def _train(config, trainer, workdir: str, plot: bool):
     _print(f"warm start (SFT, {sft_lib.describe_steps(config)}): "
            f"{'cached' if cached else f'{time.perf_counter() - t0:.0f}s'}")
     state = trainer.init_state(params)
+  compiled = None
+  if config.train.compile_at_start:  # every program of the run, before step 1
+    compiled = trainer.compile_at_start(state, say=_print)
   evals = trainer.eval_examples
   start_acc = None
   if evals and int(state.step) == 0:
@@ -136,6 +139,12 @@ def _train(config, trainer, workdir: str, plot: bool):
   summary = _summary(config, trainer, state, history, evals, start_acc)
   summary.update(rl_seconds=rl_s, total_seconds=trainer.total_seconds(),
                  resumed=bool(resumed))
+  if compiled is not None:  # compile time apart from RL time (the set compiled before it)
+    after = [r for r in history if "compile/after_start" in r]
+    summary.update(compile_seconds=compiled["seconds"], compile_programs=compiled["programs"],
+                   compile_after_start=int(sum(r["compile/after_start"] for r in after)),
+                   compile_after_start_seconds=float(sum(r["time/compile_after_start_s"]
+                                                         for r in after)))
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
@@ -180,10 +189,13 @@ def _summary(config, trainer, state, history: list, evals: list, start_acc) -> d
     summary["held_out/drop_from_start"] = evaluation.drop_from_start(
         ([{**start_acc, "step": 0}] if start_acc else []) + logged + [end])
   rows = [r for r in history if "time/step_s" in r]
-  for k in ("time/sample1_s", "time/round2_s", "time/verify_s", "time/update_s", "time/step_s"):
+  for k in ("time/sample1_s", "time/round2_s", "time/rounds_s", "time/verify_s",
+            "time/update_s", "time/step_s"):
     vals = [r[k] for r in rows if k in r]
     if vals:
       summary[f"median_{k.split('/')[1]}"] = float(np.median(vals))
+  if rows:  # the steps alone (no eval, checkpoint or log time)
+    summary["sum_step_s"] = float(sum(r["time/step_s"] for r in rows))
   return summary
 
 

@@ -22,6 +22,7 @@ from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data as data_lib
 from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
+from fbos_jax import program_cache
 from fbos_jax import sharding as sh
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import evaluation
@@ -80,6 +81,7 @@ class RLTrainer:
                                                self.parts.optim.learning_rate)
     # the policy the samplers read: the master in model.compute_dtype, once per version
     self.policy = state_lib.ComputeCopy(self.parts.model)
+    self.compile_watch = None  # compiles after the compile set (compile_at_start)
 
   # ------------------------------------------------------------------ state
   def init_state(self, params=None) -> state_lib.TrainState:
@@ -124,6 +126,23 @@ class RLTrainer:
     this one since ``started`` (so it is never less than the RL time)."""
     return self.total_seconds_before + time.perf_counter() - self.started
 
+  # ------------------------------------------------------------------ compile set
+  def compile_at_start(self, state, say=None) -> dict:
+    """Compile every program the run can call (``fbos_jax/compile_set.py``: the
+    samplers or the engine, the update, the eval's samplers) before step 1, with
+    a progress bar, then count each compile after it in ``compile/after_start``
+    (warned, naming the program and its shapes). Returns {"programs": count,
+    "seconds": wall time, "groups": ...}."""
+    from fbos_jax import compile_set
+    cfg = self.config
+    evals = len(self.eval_examples) * jax.process_count()
+    groups = compile_set.run_programs(self.ctx, state, eval_prompts=evals,
+                                      eval_k=cfg.train.eval_k)
+    report = compile_set.compile_all(
+        groups, progress=cfg.train.progress and jax.process_index() == 0, say=say)
+    self.compile_watch = program_cache.CompileWatch()
+    return report
+
   # ------------------------------------------------------------------ one step
   def evaluate(self, state_or_params, examples: list, *, k: int = 1, step: int = 0,
                rng=None) -> dict:
@@ -152,8 +171,7 @@ class RLTrainer:
     rollout's ``m``; ``t0``: when the step started (its rollout, or its wait)."""
     t1 = time.perf_counter()
     self.policy.release()  # the sampled version's copy is not needed beside the update
-    batches = {k: jax.tree.map(lambda a: sh.put_process_local(a, self.mesh, self.rules), b)
-               for k, b in batches.items()}
+    batches = update_lib.place_batches(batches, self.mesh, self.rules)
     with jax.set_mesh(self.mesh):  # attention picks its kernel from the mesh's devices
       state, um = update_lib.compiled_update(self.parts, self.mesh, self.rules)(state, batches)
     m.update(objectives.log_metrics(um, self.parts.update.batch_names))
@@ -196,6 +214,9 @@ class RLTrainer:
       if cfg.train.probe_every > 0 and s % cfg.train.probe_every == 0:
         m.update(probe_lib.probe_metrics(self.ctx, self.policy(state.params), self.last_examples,
                                          state_lib.stream_key(state.rng, "eval", s, 1)))
+      if self.compile_watch is not None:
+        from fbos_jax import compile_set
+        m.update(compile_set.after_start(self.compile_watch.take(), s, first=step == start))
       self.metrics.write(s, m)
       history.append(dict(m, step=s))
       self.guard.check(m, s)
@@ -214,6 +235,8 @@ class RLTrainer:
     return state, history
 
   def close(self):
+    if self.compile_watch is not None:
+      self.compile_watch.close()
     self.ckpt.close()
     self.metrics.close()
     self.ctx.close()

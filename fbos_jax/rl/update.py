@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import optax
 
 from fbos_jax import optim as optim_lib
+from fbos_jax import program_cache
 from fbos_jax.model import qwen
 from fbos_jax.rl import objectives
 from fbos_jax.rl import state as state_lib
@@ -207,8 +208,10 @@ def _compiled(model_cfg, ucfg: UpdateConfig, layout, mesh, rules_key: tuple):
   shardings = state_lib.state_shardings(state_lib.abstract_state(layout, mesh, dict(rules_key)))
   fn = make_update_fn(model_cfg, optim_lib.make_optimizer(layout.optim), ucfg)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return jax.jit(fn, donate_argnums=(0,),
-                 out_shardings=(shardings, jax.tree.map(lambda _: rep, _metrics_shape(ucfg))))
+  return program_cache.tracked(
+      jax.jit(fn, donate_argnums=(0,),
+              out_shardings=(shardings, jax.tree.map(lambda _: rep, _metrics_shape(ucfg)))),
+      "update")
 
 
 def _metrics_shape(ucfg: UpdateConfig):
@@ -227,3 +230,11 @@ def compiled_update(parts, mesh, rules, ucfg: UpdateConfig = None, optim_cfg=Non
   and mesh give the same program object in this process."""
   return _compiled(parts.model, ucfg or parts.update, state_lib.layout_parts(parts, optim_cfg),
                    mesh, state_lib.rules_key(rules))
+
+
+def place_batches(batches: dict, mesh, rules) -> dict:
+  """{name: PolicyBatch} of host numpy onto ``mesh`` (each process its own rows),
+  as the update takes them."""
+  from fbos_jax import sharding as sh
+  return {k: jax.tree.map(lambda a: sh.put_process_local(a, mesh, rules), b)
+          for k, b in batches.items()}
