@@ -281,9 +281,10 @@ VARIANTS = {
         model=_QWEN3_8B, mesh=dict(dcn=-1, data=1, fsdp=1, tensor=8),
         run=dict(_LARGE_RUN, **{
             "rl.micro_batches": 32,
-            # round 2's 512 FAP rows in calls of at most 256 prompts: beside the float32
-            # master and Adam's moments (12.3 GB per GPU) all 512 at once do not fit in
-            # 75% of an H100 (--dry_run --topology=h100:2x8)
+            # round 2's 512 FAP rows in calls of at most 256 prompts: all 512 at once
+            # compiled to 52.7 GiB with a bf16 master, and the float32 master and Adam's
+            # moments held beside it (12.3 GB per GPU) would pass 75% of an H100. An
+            # estimate: not yet compiled (--dry_run --topology=h100:2x8)
             "sampling.batch_buckets": (8, 16, 32, 64, 128, 256),
         })),
 }
