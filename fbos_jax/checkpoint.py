@@ -313,29 +313,35 @@ class Checkpointer:
     newer ones are skipped with a warning and moved aside (see the module
     doc). A model-config mismatch (``CheckpointMismatchError``) is raised at
     once. ``CheckpointRestoreError`` when none can be read."""
-    steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
+    s, out, failures = self._newest_readable(
+        step, lambda s: self._restore_step(s, abstract_state, expected_meta))
+    self.restored_step = s
+    if failures:
+      self._move_aside([f for f, _ in failures])
+      logging.warning("restored checkpoint %s instead of the newest, unreadable %s",
+                      self._step_dir(s), ", ".join(self._step_dir(f) for f, _ in failures))
+    return out
+
+  def _newest_readable(self, step: Optional[int], read) -> tuple:
+    """(step, ``read(step)``, failures) of the newest checkpoint that ``read``
+    restores (``step`` given: that one only); each unreadable one is warned about
+    and listed in failures as (step, error). A ``CheckpointMismatchError`` is
+    raised at once; none readable raises ``CheckpointRestoreError`` naming each
+    step tried and its cause (one line)."""
+    steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [int(step)]
     if not steps:
       raise FileNotFoundError(f"No checkpoint in {self.directory}")
     failures = []
     for s in steps:
       try:
-        out = self._restore_step(s, abstract_state, expected_meta)
+        return s, read(s), failures
       except CheckpointMismatchError:
         raise
       except Exception as e:  # pylint: disable=broad-except
         failures.append((s, e))
-        logging.warning("checkpoint %s is unreadable (%s: %s)%s", self._step_dir(s),
-                        type(e).__name__, str(e)[:500],
+        logging.warning("checkpoint %s is unreadable (%s)%s", self._step_dir(s), _cause(e),
                         "; trying the previous one" if s != steps[-1] else "")
-        continue
-      self.restored_step = s
-      if failures:
-        self._move_aside([f for f, _ in failures])
-        logging.warning("restored checkpoint %s instead of the newest, unreadable %s",
-                        self._step_dir(s), ", ".join(self._step_dir(f) for f, _ in failures))
-      return out
-    listed = "; ".join(f"{self._step_dir(s)}: {type(e).__name__}: {str(e)[:300]}"
-                       for s, e in failures)
+    listed = "; ".join(f"{self._step_dir(s)}: {_cause(e)}" for s, e in failures)
     raise CheckpointRestoreError(f"no checkpoint could be restored ({listed})") from failures[0][1]
 
   def _step_dir(self, step: int) -> str:
@@ -385,30 +391,18 @@ class Checkpointer:
     moved: eval and export only read). An unreadable ``step`` asked for, or none
     readable, raises ``CheckpointRestoreError`` naming each step tried (the
     cause cut to one line) and the ``--step`` values that are there."""
-    steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [int(step)]
-    if not steps:
-      raise FileNotFoundError(f"No checkpoint in {self.directory}")
-    failures = []
-    for s in steps:
-      try:
-        out = self._restore_params_step(s, abstract_params, expected_meta)
-      except CheckpointMismatchError:
-        raise
-      except Exception as e:  # pylint: disable=broad-except
-        failures.append((s, e))
-        logging.warning("checkpoint %s is unreadable (%s)%s", self._step_dir(s), _cause(e),
-                        "; trying the previous one" if s != steps[-1] else "")
-        continue
-      if failures:
-        logging.warning("restored the params of checkpoint %s instead of the newest, "
-                        "unreadable %s (choose one with --step)", self._step_dir(s),
-                        ", ".join(self._step_dir(f) for f, _ in failures))
-      return out
-    listed = "; ".join(f"{self._step_dir(s)}: {_cause(e)}" for s, e in failures)
-    there = sorted(self.manager.all_steps())
-    raise CheckpointRestoreError(
-        f"no checkpoint could be restored ({listed}); the checkpoints there are steps "
-        f"{there}: choose a readable one with --step=N") from failures[0][1]
+    try:
+      s, out, failures = self._newest_readable(
+          step, lambda s: self._restore_params_step(s, abstract_params, expected_meta))
+    except CheckpointRestoreError as e:
+      raise CheckpointRestoreError(
+          f"{e}; the checkpoints there are steps {sorted(self.manager.all_steps())}: choose a "
+          "readable one with --step=N") from e.__cause__
+    if failures:
+      logging.warning("restored the params of checkpoint %s instead of the newest, "
+                      "unreadable %s (choose one with --step)", self._step_dir(s),
+                      ", ".join(self._step_dir(f) for f, _ in failures))
+    return out
 
   def _restore_params_step(self, step: int, abstract_params: Any,
                            expected_meta: Optional[dict]):
