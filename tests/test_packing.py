@@ -114,18 +114,18 @@ def _assert_same_step(a, b):
                                err_msg=jax.tree_util.keystr(path))
 
 
-CASES = {  # name: (terms, loss config, batch kinds)
+CASES = {  # name: (terms, loss config, attention)
     # EPA with GOLF's mixed on/off-policy rows, ECC on FAPs, FCP's MLE
     "epa_golf_ecc_fcp": ([("epa", "policy_gradient", 1.0), ("ecc", "policy_gradient", 0.5),
-                          ("fcp", "mle", 0.3)], C.LossConfig(), None),
+                          ("fcp", "mle", 0.3)], C.LossConfig(), "auto"),
     "decoupled_kl_entropy_seq_mean": (
         [("epa", "decoupled", 1.0)],
-        C.LossConfig(loss_agg="seq-mean-token-mean", kl_beta=0.1, entropy_coef=0.01), None),
+        C.LossConfig(loss_agg="seq-mean-token-mean", kl_beta=0.1, entropy_coef=0.01), "auto"),
     "seq_sum_norm": ([("epa", "policy_gradient", 1.0), ("ecc", "policy_gradient", 1.0)],
-                     C.LossConfig(loss_agg="seq-mean-token-sum-norm"), None),
-    "seq_sum": ([("epa", "policy_gradient", 1.0)], C.LossConfig(loss_agg="seq-mean-token-sum"),
-                None),
-    "sft": ([("demos", "mle", 0.75), ("corrections", "mle", 0.25)], C.LossConfig(), None),
+                     C.LossConfig(loss_agg="seq-mean-token-sum-norm"), "auto"),
+    # the SFT warm start's two MLE terms, through the blocked (flash) attention's tiles
+    "sft_blocked": ([("demos", "mle", 0.75), ("corrections", "mle", 0.25)],
+                    C.LossConfig(loss_agg="seq-mean-token-sum"), "blocked"),
 }
 
 
@@ -151,30 +151,20 @@ def _pad_rows(b, multiple):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_update_equals_padded(case):
-  terms, lc, _ = CASES[case]
+  terms, lc, attention = CASES[case]
+  cfg = dataclasses.replace(CFG, attention=attention)
   padded, packed, ucfg_pad, ucfg_pack = _padded_and_packed(terms, lc)
   for name, b in packed.items():
     assert b.micro_batches >= 2, (name, b.micro_batches)  # several micro-batches
     assert b.num_rows * b.row_len < padded[name].tokens.size  # fewer positions
   params = toy.params(3)
   ref = lc.kl_beta > 0
-  out_pad = jax.jit(U.make_update_fn(CFG, _SGD, ucfg_pad))(_state(params, ref), padded)
-  out_pack = jax.jit(U.make_update_fn(CFG, _SGD, ucfg_pack))(_state(params, ref), packed)
+  out_pad = jax.jit(U.make_update_fn(cfg, _SGD, ucfg_pad))(_state(params, ref), padded)
+  out_pack = jax.jit(U.make_update_fn(cfg, _SGD, ucfg_pack))(_state(params, ref), packed)
   _assert_same_step(out_pad, out_pack)
   moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
               zip(jax.tree.leaves(out_pack[0].params), jax.tree.leaves(params)))
   assert moved > 1e-3  # a real step, not two zero gradients
-
-
-def test_packed_update_equals_padded_blocked_attention():
-  """The same through the blocked (flash) attention, its segment masks in tiles."""
-  terms, lc, _ = CASES["epa_golf_ecc_fcp"]
-  cfg = dataclasses.replace(CFG, attention="blocked")
-  padded, packed, ucfg_pad, ucfg_pack = _padded_and_packed(terms, lc)
-  params = toy.params(4)
-  out_pad = jax.jit(U.make_update_fn(cfg, _SGD, ucfg_pad))(_state(params), padded)
-  out_pack = jax.jit(U.make_update_fn(cfg, _SGD, ucfg_pack))(_state(params), packed)
-  _assert_same_step(out_pad, out_pack)
 
 
 def test_packed_update_equals_padded_on_the_8_device_mesh():

@@ -17,10 +17,12 @@ sequence always fits whole), first-fit decreasing, with segment ids
   to any sum or denominator and are dropped.
 
 Micro-batches by token budget (``rl.micro_batch_tokens`` = B tokens per batch
-shard): a micro-batch is ``B // L`` packed rows on each batch shard, and a
-batch takes as many micro-batches as its real tokens need, rounded up to a
-bucket (:func:`fbos_jax.buckets.bucket_count`: 1, 2, 3, 4, 6, 8, ...; one
-compile each), agreed across hosts by one all-gather of the counts. The
+shard): a micro-batch holds at most ``B // L`` packed rows on each batch shard,
+and a batch takes as many micro-batches as its real tokens need, rounded up to
+a bucket (:func:`fbos_jax.buckets.bucket_count`: 1, 2, 3, 4, 6, 8, ...), each
+of as few rows as hold them (a bucket too; :func:`packed_shape`): a few
+programs, one compile each, and at most a third of a step's rows empty. Hosts
+agree on the shape by one all-gather of their packed-row counts. The
 denominators of the objective are those of the masks, as before, computed once
 per (mini-)batch in the update: packing changes the layout, not the loss
 (``tests/test_packing.py``: gradients equal the padded update's).
@@ -101,23 +103,22 @@ def first_fit_decreasing(lengths, capacity: int) -> list:
   return bins
 
 
-def rows_per_micro_batch(row_len: int, micro_batch_tokens: int, shards: int) -> int:
-  """Packed rows of one micro-batch on this host: ``micro_batch_tokens // row_len``
-  on each of its ``shards`` batch shards (at least one row: ValueError naming
-  the budget field otherwise)."""
-  per_shard = int(micro_batch_tokens) // int(row_len)
-  if per_shard < 1:
+def packed_shape(packed_rows: int, row_len: int, micro_batch_tokens: int, shards: int,
+                 mini_batches: int) -> tuple:
+  """(micro-batches per mini-batch, rows) of a batch of ``packed_rows`` rows of
+  ``row_len`` tokens over ``shards`` batch shards: the fewest micro-batches of at
+  most ``micro_batch_tokens // row_len`` rows per shard (a
+  :func:`fbos_jax.buckets.bucket_count` bucket), each then as few rows per shard
+  as hold the batch (a bucket too, at most the budget's). ValueError, naming the
+  budget field, when the budget does not hold one row."""
+  most = int(micro_batch_tokens) // int(row_len)
+  if most < 1:
     raise ValueError(f"rl.micro_batch_tokens={micro_batch_tokens} does not hold one row of "
                      f"{row_len} tokens; raise it to >= {row_len}")
-  return per_shard * int(shards)
-
-
-def micro_batches_needed(packed_rows: int, row_len: int, micro_batch_tokens: int, shards: int,
-                         mini_batches: int) -> int:
-  """The micro-batch count (a :func:`fbos_jax.buckets.bucket_count` bucket) that
-  holds ``packed_rows`` rows of ``row_len`` tokens in ``mini_batches`` mini-batches."""
-  unit = rows_per_micro_batch(row_len, micro_batch_tokens, shards) * int(mini_batches)
-  return buckets.bucket_count(-(-int(packed_rows) // unit))
+  per_shard = -(-int(packed_rows) // (int(shards) * int(mini_batches)))
+  m = buckets.bucket_count(-(-per_shard // most))
+  k = min(buckets.bucket_count(-(-per_shard // m)), most)
+  return m, m * int(mini_batches) * k * int(shards)
 
 
 def pack(batch: PolicyBatch, lay: Layout, *, rows: int, micro_batches: int) -> PackedBatch:
@@ -160,18 +161,16 @@ def pack_batches(batches: dict, ucfg, shards: int) -> dict:
   """{name: PolicyBatch (host numpy, the same prompt bucket on every host)} ->
   {name: PackedBatch} under ``ucfg`` (:class:`fbos_jax.rl.config.UpdateConfig`,
   ``micro_batch_tokens`` > 0) with ``shards`` batch shards on this host: each
-  batch's micro-batch count is the largest any host needs (one all-gather)."""
+  batch's shape (:func:`packed_shape`) holds the most packed rows any host has
+  (one all-gather)."""
   names = sorted(batches)
   lays = {n: layout(batches[n]) for n in names}
-  need = [micro_batches_needed(len(lays[n].bins), lays[n].row_len, ucfg.micro_batch_tokens,
-                               shards, ucfg.mini_batches) for n in names]
-  agreed = distributed.agree_max(*need)
+  agreed = distributed.agree_max(*(len(lays[n].bins) for n in names))
   out = {}
-  for n, m in zip(names, agreed):
-    lay = lays[n]
-    rows = m * ucfg.mini_batches * rows_per_micro_batch(lay.row_len, ucfg.micro_batch_tokens,
-                                                        shards)
-    out[n] = pack(batches[n], lay, rows=rows, micro_batches=m)
+  for n, most in zip(names, agreed):
+    m, rows = packed_shape(most, lays[n].row_len, ucfg.micro_batch_tokens, shards,
+                           ucfg.mini_batches)
+    out[n] = pack(batches[n], lays[n], rows=rows, micro_batches=m)
   return out
 
 
