@@ -61,14 +61,16 @@ def split_meshes(config, devices, rollout_devices: int) -> SplitMeshes:
 
 
 def plan_sync(parts, meshes: SplitMeshes, chunk_bytes: int, chip) -> dict:
-  """The weight sync of ``parts``'s params from the trainer to the rollout mesh, as
+  """The weight sync of ``parts``'s compute copy (``model.compute_dtype``, what the
+  rollout samples with; never the master) from the trainer to the rollout mesh, as
   :class:`~fbos_jax.rl.weight_sync.WeightSync` would run it (its intermediate mesh
   and cover checked): bytes, chunks and the interconnect-time estimate."""
   st = state_lib.abstract_state(parts, meshes.trainer, meshes.rules)
+  policy = state_lib.compute_abstract(st.params, parts.model)
   specs = state_lib.param_specs(parts, meshes.rollout, meshes.rules)
-  dst = weight_sync.rollout_shardings(st.params, specs, meshes.rollout)
-  ws = weight_sync.WeightSync(st.params, dst, chunk_bytes, "split")
-  total, most = weight_sync.received_bytes(st.params, dst)
+  dst = weight_sync.rollout_shardings(policy, specs, meshes.rollout)
+  ws = weight_sync.WeightSync(policy, dst, chunk_bytes, "split")
+  total, most = weight_sync.received_bytes(policy, dst)
   bw = ICI_BYTES_PER_S.get(chip.name, 0.0) / 2  # one direction
   n_src = meshes.trainer.size
   return {"bytes_total": total, "bytes_per_device_max": most, "chunks": len(ws.groups),
@@ -80,9 +82,11 @@ def plan_sync(parts, meshes: SplitMeshes, chunk_bytes: int, chip) -> dict:
 
 def _programs(parts, mesh, rules, names, eval_prompts=0, eval_k=1):
   """The step's programs of the calls ``names`` (a sampler call on the continuous
-  engine is two programs, ``NAME/window`` and ``NAME/prefill``)."""
+  engine is two programs, ``NAME/window`` and ``NAME/prefill``). The rollout side
+  of a split does not hold the train state."""
   return [p for p in plan_lib.step_programs(parts, mesh, rules, eval_prompts=eval_prompts,
-                                            eval_k=eval_k) if p.name.split("/")[0] in names]
+                                            eval_k=eval_k, state_resident=False)
+          if p.name.split("/")[0] in names]
 
 
 def compile_split_plan(config, topology: str, rollout_devices: int, *,

@@ -105,20 +105,27 @@ class AsyncRLTrainer(RLTrainer):
     self._mark = None  # (time, worker busy seconds) at the end of the last step
 
   # ------------------------------------------------------------------ weights
-  def _make_sync(self, state):
+  def _make_sync(self, params):
+    """The sync of the compute copy ``params`` (what the rollout mesh samples with)."""
     specs = state_lib.param_specs(self.parts, self.rollout_mesh, self.rules)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            state.params)
+                            params)
+    # colocated, a compute copy is already apart from the master the update donates:
+    # no second copy is needed for the rollout to sample beside the update
+    eta = 0 if state_lib.needs_compute_copy(self.parts.model) else self.acfg.max_staleness
     return weight_sync.make_sync(abstract, specs, self.rollout_mesh, colocated=self.colocated,
-                                 max_staleness=self.acfg.max_staleness,
+                                 max_staleness=eta,
                                  chunk_bytes=self.acfg.sync_chunk_bytes)
 
   def _publish(self, state) -> weight_sync.SyncStats:
-    """The params of ``state`` onto the rollout mesh, published as version ``state.step``."""
+    """The compute copy of ``state``'s params (``model.compute_dtype``, made once
+    per version; never the float32 master) onto the rollout mesh, published as
+    version ``state.step``."""
+    policy = self.policy(state.params)
     if self.sync is None:
-      self.sync = self._make_sync(state)
+      self.sync = self._make_sync(policy)
       logging.info(weight_sync.describe(self.sync))
-    params, stats = self.sync(state.params)
+    params, stats = self.sync(policy)
     self.store.publish(params, int(state.step))
     return stats
 
@@ -199,6 +206,14 @@ class AsyncRLTrainer(RLTrainer):
             "async/version_collisions": item.collisions}
 
   # ------------------------------------------------------------------ the loop
+  def compile_at_start(self, state, say=None):
+    """Not built for the asynchronous loop (its rollout worker samples on its own
+    mesh, with in-flight weight updates): its programs compile on first call."""
+    (say or logging.info)("compile set: not enumerated for the asynchronous loop "
+                          "(rl.rollout_devices / rl.max_staleness); programs compile on "
+                          "first call")
+    return None
+
   def train(self, state=None, *, steps: Optional[int] = None, **kw):
     self._stop_at = int(self.config.train.steps if steps is None else steps)
     try:

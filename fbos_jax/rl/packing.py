@@ -17,12 +17,13 @@ sequence always fits whole), first-fit decreasing, with segment ids
   to any sum or denominator and are dropped.
 
 Micro-batches by token budget (``rl.micro_batch_tokens`` = B tokens per batch
-shard): a micro-batch holds at most ``B // L`` packed rows on each batch shard,
-and a batch takes as many micro-batches as its real tokens need, rounded up to
-a bucket (:func:`fbos_jax.buckets.bucket_count`: 1, 2, 3, 4, 6, 8, ...), each
-of as few rows as hold them (a bucket too; :func:`packed_shape`): a few
-programs, one compile each, and at most a third of a step's rows empty. Hosts
-agree on the shape by one all-gather of their packed-row counts. The
+shard): a micro-batch is ``B // L`` packed rows on each batch shard, and a
+batch takes as many micro-batches as its real tokens need, rounded up to a
+bucket (:func:`fbos_jax.buckets.bucket_count`: 1, 2, 3, 4, 6, 8, ...;
+:func:`packed_shape`): one program per bucket (the run's compile set holds them
+all, ``fbos_jax/rl/shapes.py:update_programs``). Empty rows: the bucket's
+rounding (at most a third of the micro-batches) and the last micro-batch's
+rest. Hosts agree on the shape by one all-gather of their packed-row counts. The
 denominators of the objective are those of the masks, as before, computed once
 per (mini-)batch in the update: packing changes the layout, not the loss
 (``tests/test_packing.py``: gradients equal the padded update's).
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
 from fbos_jax import buckets
@@ -106,19 +106,18 @@ def first_fit_decreasing(lengths, capacity: int) -> list:
 def packed_shape(packed_rows: int, row_len: int, micro_batch_tokens: int, shards: int,
                  mini_batches: int) -> tuple:
   """(micro-batches per mini-batch, rows) of a batch of ``packed_rows`` rows of
-  ``row_len`` tokens over ``shards`` batch shards: the fewest micro-batches of at
-  most ``micro_batch_tokens // row_len`` rows per shard (a
-  :func:`fbos_jax.buckets.bucket_count` bucket), each then as few rows per shard
-  as hold the batch (a bucket too, at most the budget's). ValueError, naming the
-  budget field, when the budget does not hold one row."""
-  most = int(micro_batch_tokens) // int(row_len)
-  if most < 1:
+  ``row_len`` tokens over ``shards`` batch shards: micro-batches of the budget's
+  ``micro_batch_tokens // row_len`` rows per shard, the fewest that hold the batch
+  rounded up to a :func:`fbos_jax.buckets.bucket_count` bucket (so a run's
+  shapes are one per bucket). ValueError, naming the budget field, when the
+  budget does not hold one row."""
+  per_micro = int(micro_batch_tokens) // int(row_len)
+  if per_micro < 1:
     raise ValueError(f"rl.micro_batch_tokens={micro_batch_tokens} does not hold one row of "
                      f"{row_len} tokens; raise it to >= {row_len}")
   per_shard = -(-int(packed_rows) // (int(shards) * int(mini_batches)))
-  m = buckets.bucket_count(-(-per_shard // most))
-  k = min(buckets.bucket_count(-(-per_shard // m)), most)
-  return m, m * int(mini_batches) * k * int(shards)
+  m = buckets.bucket_count(-(-per_shard // per_micro))
+  return m, m * int(mini_batches) * per_micro * int(shards)
 
 
 def pack(batch: PolicyBatch, lay: Layout, *, rows: int, micro_batches: int) -> PackedBatch:
@@ -191,6 +190,5 @@ def device_batches(batches: dict, ucfg, mesh, rules) -> tuple:
     batches = pack_batches(batches, ucfg, sh.local_batch_shard_count(mesh, rules))
   positions = sum(int(np.prod(b.tokens.shape)) for b in batches.values())
   real = sum(real_tokens(b) for b in batches.values())
-  placed = {k: jax.tree.map(lambda a: sh.put_process_local(a, mesh, rules), b)
-            for k, b in batches.items()}
-  return placed, {"update/real_token_frac": real / max(positions, 1)}
+  from fbos_jax.rl import update as update_lib
+  return update_lib.place_batches(batches, mesh, rules), {"update/real_token_frac": real / max(positions, 1)}

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from fbos_jax.rl import rollout as R
+from fbos_jax.rl import state as state_lib
 from fbos_jax.rl.context import RolloutContext
 
 
@@ -89,6 +90,7 @@ def streamed_rounds(ctx: RolloutContext, params, examples: list, k1, k2):
   Returns (r1, r2, round-1 pool stats, round-2 pool stats), as the barrier's
   ``round1`` / ``verify`` / ``round2`` / ``verify`` would."""
   from fbos_jax import engine as engine_lib
+  state_lib.check_compute_params(params, ctx.model_cfg, "the streamed rounds' engine")
   spec, sp = ctx.spec, ctx.parts.sampling
   p_count, n, r = len(examples), spec.group_size, sp.round1.max_new_tokens
   base = jax.process_index() * p_count

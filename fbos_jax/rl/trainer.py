@@ -22,6 +22,7 @@ from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data as data_lib
 from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
+from fbos_jax import program_cache
 from fbos_jax import sharding as sh
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import evaluation
@@ -72,8 +73,16 @@ class RLTrainer:
                                       save_every=config.train.checkpoint_every,
                                       keep=config.train.keep_checkpoints)
     self.rl_seconds_before = 0.0  # RL time of the run before the restored checkpoint
+    # the whole run's wall time before the restored checkpoint (warm start, RL, evals)
+    # and when this part started (run_training sets it to its own start)
+    self.total_seconds_before, self.started = 0.0, time.perf_counter()
     self.guard = guards.StepGuard(self.parts.update.skip_nonfinite,
                                   int(config.verifier.max_failed_steps))
+    self.param_watch = guards.ParamChangeWatch(self.parts.model.param_dtype,
+                                               self.parts.optim.learning_rate)
+    # the policy the samplers read: the master in model.compute_dtype, once per version
+    self.policy = state_lib.ComputeCopy(self.parts.model)
+    self.compile_watch = None  # compiles after the compile set (compile_at_start)
 
   # ------------------------------------------------------------------ state
   def init_state(self, params=None) -> state_lib.TrainState:
@@ -84,7 +93,7 @@ class RLTrainer:
   def save(self, state, force: bool = False, rl_seconds: float = 0.0):
     meta = {"model": self.config.model.to_dict(), "algo": self.config.algo,
             "config": self.config.to_dict(), "layout": state_lib.layout(self.parts),
-            "rl_seconds": float(rl_seconds)}
+            "rl_seconds": float(rl_seconds), "total_seconds": self.total_seconds()}
     data_state = self._data_state()
     self.ckpt.save(int(state.step), state, distributed.per_process_state(data_state), meta,
                    force=force)
@@ -108,8 +117,32 @@ class RLTrainer:
     if data_state and hasattr(self.train_iter, "set_state"):
       self.train_iter.set_state(data_state)
     self.rl_seconds_before = float(meta.get("rl_seconds", 0.0))
+    # a checkpoint written before total_seconds was recorded: at least its RL time
+    self.total_seconds_before = float(meta.get("total_seconds", self.rl_seconds_before))
     logging.info("Resumed from %s at step %d", self.ckpt.directory, self.ckpt.restored_step)
     return restored, True
+
+  def total_seconds(self) -> float:
+    """The run's wall time so far: the parts before the restored checkpoint and
+    this one since ``started`` (so it is never less than the RL time)."""
+    return self.total_seconds_before + time.perf_counter() - self.started
+
+  # ------------------------------------------------------------------ compile set
+  def compile_at_start(self, state, say=None) -> dict:
+    """Compile every program the run can call (``fbos_jax/compile_set.py``: the
+    samplers or the engine, the update, the eval's samplers) before step 1, with
+    a progress bar, then count each compile after it in ``compile/after_start``
+    (warned, naming the program and its shapes). Returns {"programs": count,
+    "seconds": wall time, "groups": ...}."""
+    from fbos_jax import compile_set
+    cfg = self.config
+    evals = len(self.eval_examples) * jax.process_count()
+    groups = compile_set.run_programs(self.ctx, state, eval_prompts=evals,
+                                      eval_k=cfg.train.eval_k)
+    report = compile_set.compile_all(
+        groups, progress=cfg.train.progress and jax.process_index() == 0, say=say)
+    self.compile_watch = program_cache.CompileWatch()
+    return report
 
   # ------------------------------------------------------------------ one step
   def evaluate(self, state_or_params, examples: list, *, k: int = 1, step: int = 0,
@@ -117,7 +150,7 @@ class RLTrainer:
     """Held-out accuracy of ``state_or_params`` (a TrainState, or params with
     ``rng``, the run's ``TrainState.rng``); the pass@k draws come from its
     ``eval`` stream at ``step``."""
-    params = getattr(state_or_params, "params", state_or_params)
+    params = self.policy(getattr(state_or_params, "params", state_or_params))
     rng = getattr(state_or_params, "rng", rng)
     if rng is None:
       rng = state_lib.root_rng(self.parts.seed)
@@ -129,8 +162,8 @@ class RLTrainer:
     examples = self.last_examples = next(self.train_iter)
     key = state_lib.stream_key(state.rng, "sample", step)
     t0 = time.perf_counter()
-    batches, m, gfpo = rollout_lib.rollout_step(self.ctx, state.sampling_params(), examples,
-                                                key, gfpo_state=state.gfpo)
+    batches, m, gfpo = rollout_lib.rollout_step(self.ctx, self.policy(state.sampling_params()),
+                                                examples, key, gfpo_state=state.gfpo)
     state = state.after_sampling().replace(gfpo=gfpo)
     return self.update_step(state, examples, batches, m, t0, step)
 
@@ -138,6 +171,7 @@ class RLTrainer:
     """The update of one step on ``batches`` (host numpy), its metrics added to the
     rollout's ``m``; ``t0``: when the step started (its rollout, or its wait)."""
     t1 = time.perf_counter()
+    self.policy.release()  # the sampled version's copy is not needed beside the update
     batches, bm = packing.device_batches(batches, self.parts.update, self.mesh, self.rules)
     m.update(bm)
     with jax.set_mesh(self.mesh):  # attention picks its kernel from the mesh's devices
@@ -180,11 +214,15 @@ class RLTrainer:
       if every > 0 and eval_examples and (s % every == 0 or s == steps):
         m.update(self.evaluate(state, eval_examples, k=k, step=s))
       if cfg.train.probe_every > 0 and s % cfg.train.probe_every == 0:
-        m.update(probe_lib.probe_metrics(self.ctx, state.params, self.last_examples,
+        m.update(probe_lib.probe_metrics(self.ctx, self.policy(state.params), self.last_examples,
                                          state_lib.stream_key(state.rng, "eval", s, 1)))
+      if self.compile_watch is not None:
+        from fbos_jax import compile_set
+        m.update(compile_set.after_start(self.compile_watch.take(), s, first=step == start))
       self.metrics.write(s, m)
       history.append(dict(m, step=s))
       self.guard.check(m, s)
+      self.param_watch.check(m, s)
       last_acc = m.get("eval/accuracy", last_acc)
       if hasattr(bar, "set_postfix"):
         bar.set_postfix(r1=f"{m['reward/round1']:.2f}", acc=f"{last_acc:.2f}", refresh=False)
@@ -199,6 +237,8 @@ class RLTrainer:
     return state, history
 
   def close(self):
+    if self.compile_watch is not None:
+      self.compile_watch.close()
     self.ckpt.close()
     self.metrics.close()
     self.ctx.close()
