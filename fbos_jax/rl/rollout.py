@@ -436,7 +436,7 @@ def pad_batches(ctx: RolloutContext, rowsets: dict) -> dict:
     rs = rowsets[name]
     local += [len(rs.prompts), max((len(c) for c in rs.prompts), default=1)]
   agreed = distributed.agree_max(*local)
-  shards = max(sh.batch_shard_count(ctx.mesh, ctx.rules) // jax.process_count(), 1)
+  shards = sh.local_batch_shard_count(ctx.mesh, ctx.rules)
   out = {}
   for i, name in enumerate(names):
     rs = rowsets[name]
