@@ -287,9 +287,10 @@ class ResponseLengths:
     f = 1.0 - self.cdf(x, cap) ** max(int(rows), 1)
     return float(np.sum((f[1:] + f[:-1]) / 2) * (x[1] - x[0]))
 
-  def sample(self, rows: int, cap: int, seed: int = 0) -> np.ndarray:
+  def sample(self, rows: int, cap: int, seed=0) -> np.ndarray:
     """``rows`` lengths (int, in [1, cap]) at the quantiles (i + 1/2) / rows of the
-    distribution, in a fixed shuffled order (``seed``): the rows of one call."""
+    distribution, in a fixed shuffled order (``seed``: an int or a tuple of ints, as
+    numpy's default_rng takes): the rows of one call."""
     mu, sigma = self._mu_sigma(cap)
     nd = statistics.NormalDist(mu, sigma) if sigma else None
     q = [(i + 0.5) / rows for i in range(int(rows))]

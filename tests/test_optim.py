@@ -46,7 +46,7 @@ def test_the_sft_warm_start_keeps_optax_count_and_rl_does_not():
   c = configs.load("grpo:tiny_chain")
   name, stage = sft.stage_configs(c)[0]
   ctx = types.SimpleNamespace(parts=types.SimpleNamespace(update=types.SimpleNamespace(
-      loss=types.SimpleNamespace(vocab_limit=0))), mesh=sh.make_mesh(c.mesh), rules=None)
+      loss=types.SimpleNamespace(vocab_limit=0), micro_batch_tokens=0)), mesh=sh.make_mesh(c.mesh), rules=None)
   ocfg = sft._sft_setup(stage, ctx, int(stage.sft.steps))[0]
   assert ocfg.warmup_from_zero and float(optim.schedule(ocfg)(0)) == 0.0
   assert ocfg.learning_rate == 3e-3 and ocfg.warmup_steps == 20  # the demos stage

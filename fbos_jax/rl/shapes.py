@@ -191,7 +191,7 @@ def sequence_lengths(parts: RunParts, name: str, rows: int, lengths, seed: int =
   r = parts.sampling.round1.max_new_tokens
   top = max(batch_prompt_buckets(parts, name)[0])
   if name == "ecc":
-    prompt = np.clip(top - r + lengths.sample(rows, r, seed + 1), 1, top)
+    prompt = np.clip(top - r + lengths.sample(rows, r, (seed, 1)), 1, top)
   elif name == "fcp":
     prompt = max(top - r, 1)
   else:
