@@ -99,7 +99,7 @@ class MetricsWriter:
       f = _scalar(v)
       if f is not None:
         row[k] = f if math.isfinite(f) else str(f)
-        if self._tb is not None and math.isfinite(f):
+        if self._tb is not None and math.isfinite(f) and self._tb_alive():
           self._tb.add_scalar(tensorboard_tag(k), f, int(step))
       elif isinstance(v, (str, list)):
         row[k] = v
@@ -109,8 +109,22 @@ class MetricsWriter:
       f.flush()
       os.fsync(f.fileno())
 
+  def _tb_alive(self) -> bool:
+    """Whether tensorboardX's writer thread still runs. An OSError (a full disk) ends
+    that thread, and its bounded queue then blocks every later ``add_scalar`` and
+    ``close`` forever: once it is gone, TensorBoard is dropped with one warning
+    (metrics.jsonl goes on, or fails loudly, on its own)."""
+    fw = getattr(self._tb, "file_writer", None)
+    worker = getattr(getattr(fw, "event_writer", None), "_worker", None)
+    if worker is None or worker.is_alive():
+      return True
+    logging.warning("TensorBoard's writer stopped (is %s full?); no more TensorBoard events, "
+                    "metrics.jsonl continues", os.path.join(os.path.dirname(self.path), "tb"))
+    self._tb = None
+    return False
+
   def close(self):
-    if self._tb is not None:
+    if self._tb is not None and self._tb_alive():
       self._tb.close()
 
 

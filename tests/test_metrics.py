@@ -1,5 +1,6 @@
 """Metrics plotting: overlaid panels, moving averages, and a clear error on an empty log."""
 
+import json
 import os
 
 import pytest
@@ -47,3 +48,32 @@ def test_the_sweep_picks_the_best_stable_rate_and_refuses_when_none_is_stable():
   assert pick_learning_rate(sweep) == 1e-5
   assert pick_learning_rate({"1e-05": {"final_sampled": 0.3, "drop_greedy": -0.04},
                              "3e-05": {"final_sampled": 0.3, "drop_greedy": -0.2}}) is None
+
+
+def test_a_dead_tensorboard_writer_does_not_block_the_run(tmp_path):
+  """tensorboardX's writer thread dies on an OSError (a full disk); its bounded queue
+  would then block add_scalar and close forever. The writer drops TensorBoard instead
+  and metrics.jsonl goes on."""
+  import threading
+  from fbos_jax import metrics as metrics_lib
+  w = metrics_lib.MetricsWriter(str(tmp_path))
+  ew = w._tb.file_writer.event_writer
+
+  def fail(*a, **k):
+    raise OSError(28, "No space left on device")
+  ew._ev_writer.write_event = fail  # the next event kills the writer thread
+  w._tb.add_scalar("x", 1.0, 0)
+  ew._worker.join(timeout=30)
+  assert not ew._worker.is_alive()
+  done = threading.Event()
+
+  def run():
+    for step in range(1, 50):  # far past the queue's 10 slots
+      w.write(step, {"a": float(step), "b": 2.0})
+    w.close()
+    done.set()
+  threading.Thread(target=run, daemon=True).start()
+  assert done.wait(60), "a metrics write blocked on the dead TensorBoard writer"
+  assert w._tb is None
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == list(range(1, 50))
