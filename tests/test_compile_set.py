@@ -153,6 +153,20 @@ def test_packed_run_compiles_nothing_after_the_first_step(small, one_device_mesh
   assert all(0 < r["update/real_token_frac"] <= 1 for r in rows)
 
 
+def test_a_fixed_packed_run_has_one_update_program_per_prompt_bucket_pair(small):
+  """rl.fixed_row_buckets with packing: each batch at its most micro-batches, so the
+  update's programs are the prompt buckets' combinations, as in a padded run."""
+  r = small("configs/fbos.py:tiny").sampling.max_new_tokens
+  over = {"sampling.prompt_buckets": (16, 32), "sampling.fap_prompt_buckets": (128, 656)}
+  parts = lambda **kw: config_lib.build_parts(small("configs/fbos.py:tiny", **over, **kw))
+  fixed = shapes.update_programs(parts(**{"rl.micro_batch_tokens": 4 * (656 + r)}), 1)
+  padded = shapes.update_programs(parts(), 1)
+  bucketed = shapes.update_programs(parts(**{"rl.micro_batch_tokens": 4 * (656 + r),
+                                             "rl.fixed_row_buckets": False}), 1)
+  assert len(fixed) == len(padded) == 4 < len(bucketed)
+  assert all(isinstance(s, shapes.PackedShape) for combo in fixed for s in combo.values())
+
+
 def test_compile_after_start_is_counted_and_named(caplog):
   """A tracked program compiled after the start: counted, and the warning names
   the program and the shapes of the call."""

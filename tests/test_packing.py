@@ -192,6 +192,39 @@ def test_packed_update_equals_padded_on_the_8_device_mesh():
   _assert_same_step(single, out_pack)
 
 
+def test_fixed_micro_batches_skip_the_empty_ones(monkeypatch):
+  """rl.fixed_row_buckets with packing: every batch has the most micro-batches its
+  padded rows can fill (the same shape whatever the lengths), the ones the real
+  tokens leave empty are skipped (an objective poisoned to NaN on a micro-batch
+  without a loss token must never run on one), and the step equals the padded one."""
+  from fbos_jax.rl import objectives
+  terms, lc, _ = CASES["epa_golf_ecc_fcp"]
+  padded, packed, ucfg_pad, _ = _padded_and_packed(terms, lc)
+  ucfg_fixed = dataclasses.replace(_ucfg(terms, lc, micro_batch_tokens=2 * (P_LEN + R_LEN)),
+                                   fixed_micro_batches=True)
+  fixed = packing.pack_batches(padded, ucfg_fixed, 1)
+  for name, b in fixed.items():
+    assert b.micro_batches > packed[name].micro_batches, name  # room for every row: empty ones
+    assert b.micro_batches == packing.packed_shape(padded[name].num_rows, b.row_len,
+                                                   ucfg_fixed.micro_batch_tokens, 1, 1)[0]
+  other = packing.pack_batches({k: _pad_rows(b, 2) for k, b in _batches(terms, seed=7).items()},
+                               ucfg_fixed, 1)  # other lengths, the same shapes
+  assert {n: b.tokens.shape for n, b in other.items()} == \
+      {n: b.tokens.shape for n, b in fixed.items()}
+  orig = objectives.term_objective
+
+  def poisoned(params, cfg, batch, *a, **k):
+    loss, stats = orig(params, cfg, batch, *a, **k)
+    return loss + jnp.where(jnp.any(batch.loss_mask != 0), 0.0, jnp.nan), stats
+
+  monkeypatch.setattr(objectives, "term_objective", poisoned)
+  params = toy.params(3)
+  out_pad = jax.jit(U.make_update_fn(CFG, _SGD, ucfg_pad))(_state(params), padded)
+  out_fixed = jax.jit(U.make_update_fn(CFG, _SGD, ucfg_fixed))(_state(params), fixed)
+  assert float(out_fixed[1].finite) == 1.0  # no empty micro-batch ran
+  _assert_same_step(out_pad, out_fixed)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -209,7 +242,10 @@ def test_a_row_longer_than_the_budget_is_refused_at_config_build():
   with pytest.raises(ValueError, match="rl.micro_batches=2 with rl.micro_batch_tokens"):
     C.validate(c, 1, 1)
   c.rl.micro_batches, c.rl.fixed_row_buckets = 1, True
-  with pytest.raises(ValueError, match="rl.fixed_row_buckets=True"):
+  C.validate(c, 1, 1)  # the fixed packed layout: the most micro-batches, empty ones skipped
+  c.rl.mini_batches = 2
+  with pytest.raises(ValueError, match="rl.fixed_row_buckets=True with rl.micro_batch_tokens="
+                                       ".* rl.mini_batches=2"):
     C.validate(c, 1, 1)
 
 

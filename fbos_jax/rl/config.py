@@ -68,7 +68,10 @@ class UpdateConfig:
   ``micro_batch_tokens`` > 0 packs every batch (``fbos_jax/rl/packing.py``): its
   sequences end to end in rows of its padded row length, micro-batches of this
   many tokens on each batch shard, as many as the real tokens need (a bucket);
-  ``micro_batches`` is then 1."""
+  ``micro_batches`` is then 1. With ``fixed_micro_batches`` (``rl.fixed_row_buckets``)
+  a packed batch always has the most micro-batches its rows can fill (one update
+  program per prompt bucket) and the update skips the empty ones (``lax.cond``),
+  so it computes as many as the real tokens need."""
   terms: tuple  # of Term, weight > 0
   loss: LossConfig = LossConfig()
   epochs: int = 1
@@ -77,6 +80,7 @@ class UpdateConfig:
   schedule: str = "joint"  # joint | alternate
   skip_nonfinite: bool = True
   micro_batch_tokens: int = 0  # > 0: packed batches, micro-batches by this token budget
+  fixed_micro_batches: bool = False  # packed: the most micro-batches, empty ones skipped
 
   @property
   def packed(self) -> bool:
@@ -279,7 +283,8 @@ def _update_config(config, rl, sampling, vocab_limit: int) -> UpdateConfig:
                       epochs=max(int(rl.ppo_epochs), 1), mini_batches=max(int(rl.mini_batches), 1),
                       micro_batches=max(int(rl.micro_batches), 1),
                       schedule=rl.objective_schedule, skip_nonfinite=bool(rl.skip_nonfinite),
-                      micro_batch_tokens=int(rl.micro_batch_tokens))
+                      micro_batch_tokens=int(rl.micro_batch_tokens),
+                      fixed_micro_batches=bool(rl.fixed_row_buckets))
 
 
 def optim_config(section, total_steps: int, **overrides) -> OptimConfig:
@@ -587,10 +592,11 @@ def _validate_packing(config, errs):
     errs.append(f"rl.micro_batches={rl.micro_batches} with rl.micro_batch_tokens={budget}: "
                 "packed batches take as many micro-batches of the token budget as their real "
                 "tokens need; set rl.micro_batches=1")
-  if rl.fixed_row_buckets:
-    errs.append(f"rl.fixed_row_buckets=True pads rows to the most a batch can have; with "
-                f"rl.micro_batch_tokens={budget} the micro-batch count follows the real tokens "
-                "(a bucket of 1, 2, 3, 4, 6, 8, ...); set rl.fixed_row_buckets=False")
+  if rl.fixed_row_buckets and rl.mini_batches > 1:
+    errs.append(f"rl.fixed_row_buckets=True with rl.micro_batch_tokens={budget} and "
+                f"rl.mini_batches={rl.mini_batches}: the fixed packed layout skips its empty "
+                "micro-batches, which a mini-batch shuffle would scatter; set rl.mini_batches=1 "
+                "or rl.fixed_row_buckets=False (a micro-batch count per bucket)")
 
 
 def _validate_async(rl, errs):

@@ -21,7 +21,11 @@ shard): a micro-batch is ``B // L`` packed rows on each batch shard, and a
 batch takes as many micro-batches as its real tokens need, rounded up to a
 bucket (:func:`fbos_jax.buckets.bucket_count`: 1, 2, 3, 4, 6, 8, ...;
 :func:`packed_shape`): one program per bucket (the run's compile set holds them
-all, ``fbos_jax/rl/shapes.py:update_programs``). Empty rows: the bucket's
+all, ``fbos_jax/rl/shapes.py:update_programs``). With ``rl.fixed_row_buckets``
+every batch has the most micro-batches its rows can fill, one program per prompt
+bucket, and the update skips (``lax.cond``) the micro-batches that hold no
+sequence: it computes what the real tokens need, in a compile set as small as
+the padded run's. Empty rows: the bucket's
 rounding (at most a third of the micro-batches) and the last micro-batch's
 rest. Hosts agree on the shape by one all-gather of their packed-row counts. The
 denominators of the objective are those of the masks, as before, computed once
@@ -161,10 +165,16 @@ def pack_batches(batches: dict, ucfg, shards: int) -> dict:
   {name: PackedBatch} under ``ucfg`` (:class:`fbos_jax.rl.config.UpdateConfig`,
   ``micro_batch_tokens`` > 0) with ``shards`` batch shards on this host: each
   batch's shape (:func:`packed_shape`) holds the most packed rows any host has
-  (one all-gather)."""
+  (one all-gather), or with ``ucfg.fixed_micro_batches`` the most its padded rows
+  can fill (one sequence per row: the same shape every step, no all-gather; the
+  update skips the micro-batches left empty). Packed rows fill the rows in order,
+  so the empty micro-batches are the last ones."""
   names = sorted(batches)
   lays = {n: layout(batches[n]) for n in names}
-  agreed = distributed.agree_max(*(len(lays[n].bins) for n in names))
+  if ucfg.fixed_micro_batches:
+    agreed = [batches[n].num_rows for n in names]
+  else:
+    agreed = distributed.agree_max(*(len(lays[n].bins) for n in names))
   out = {}
   for n, most in zip(names, agreed):
     m, rows = packed_shape(most, lays[n].row_len, ucfg.micro_batch_tokens, shards,

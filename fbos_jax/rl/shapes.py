@@ -320,8 +320,8 @@ def update_programs(parts: RunParts, batch_shards: int, processes: int = 1) -> l
   process's rows: each batch at any of its prompt buckets and row buckets (one
   row bucket with ``rl.fixed_row_buckets``; packed, every (micro-batches, rows)
   bucket of :func:`fbos_jax.rl.packing.packed_shape` that 0 to all of its
-  sequences, one per row at the worst, can take), all combinations (one program
-  per combination)."""
+  sequences, one per row at the worst, can take, or with ``rl.fixed_row_buckets``
+  the one of all of them), all combinations (one program per combination)."""
   import itertools
   local = max(int(batch_shards) // processes, 1)
   prompts = _per_process(parts.rollout.prompts_per_step, processes)
@@ -331,8 +331,13 @@ def update_programs(parts: RunParts, batch_shards: int, processes: int = 1) -> l
     pb, _ = batch_prompt_buckets(parts, name)
     most = batch_rows(parts, name, prompts)
     if parts.update.packed:
-      per_batch.append([PackedShape(n, int(p) + r, r, m, 0) for p in sorted(set(pb))
-                        for m, n in packed_buckets(parts, int(p) + r, most, local)])
+      if parts.update.fixed_micro_batches:  # what the padded rows can fill, every step
+        most = padded_rows(parts, name, most, local, prompts=prompts)
+        shapes = [(p, packing_shape(parts, int(p) + r, most, local)) for p in sorted(set(pb))]
+      else:
+        shapes = [(p, mn) for p in sorted(set(pb))
+                  for mn in packed_buckets(parts, int(p) + r, most, local)]
+      per_batch.append([PackedShape(n, int(p) + r, r, m, 0) for p, (m, n) in shapes])
       continue
     rows = sorted({padded_rows(parts, name, k, local, prompts=prompts)
                    for k in range(0, most + 1)})
@@ -340,11 +345,17 @@ def update_programs(parts: RunParts, batch_shards: int, processes: int = 1) -> l
   return [dict(zip(parts.update.batch_names, combo)) for combo in itertools.product(*per_batch)]
 
 
+def packing_shape(parts: RunParts, row_len: int, packed_rows: int, shards: int) -> tuple:
+  """(micro-batches, rows) of a packed batch of ``packed_rows`` rows of ``row_len``
+  tokens over ``shards`` batch shards (:func:`fbos_jax.rl.packing.packed_shape`
+  at ``rl.micro_batch_tokens``)."""
+  from fbos_jax.rl import packing
+  u = parts.update
+  return packing.packed_shape(packed_rows, row_len, u.micro_batch_tokens, shards, u.mini_batches)
+
+
 def packed_buckets(parts: RunParts, row_len: int, most: int, shards: int) -> list:
   """Sorted (micro-batches, rows) of a packed batch of rows of ``row_len`` tokens
   holding 0 to ``most`` packed rows over ``shards`` batch shards
   (:func:`fbos_jax.rl.packing.packed_shape` at ``rl.micro_batch_tokens``)."""
-  from fbos_jax.rl import packing
-  u = parts.update
-  return sorted({packing.packed_shape(k, row_len, u.micro_batch_tokens, shards, u.mini_batches)
-                 for k in range(0, int(most) + 1)})
+  return sorted({packing_shape(parts, row_len, k, shards) for k in range(0, int(most) + 1)})

@@ -20,7 +20,8 @@ Inside one program, purejaxrl-style (no host round trip):
    visits the rows in a fresh order drawn from the state's PRNG (no reorder
    when there is one mini-batch);
 3. inside each, each term's gradient-accumulation steps (``lax.scan`` over its
-   micro-batches: ``micro_batches``, or a packed batch's own count), the term
+   micro-batches: ``micro_batches``, or a packed batch's own count; one without a
+   loss token is skipped, ``lax.cond``), the term
    normalised by its whole-mini-batch denominator (:mod:`fbos_jax.rl.objectives`),
    so accumulation is exact. Each term's gradient is taken on its own (the
    terms train on different batches, so this costs no extra compute) and added
@@ -73,6 +74,15 @@ def _parts(b, ucfg: UpdateConfig) -> int:
   return ucfg.mini_batches * batch_lib.micro_batches(b, ucfg.micro_batches)
 
 
+def _unless_empty(micro_batch, compute, skip, operand):
+  """``compute(operand)``, or ``skip(operand)`` when ``micro_batch`` has no loss
+  token (``lax.cond``: its forward and backward are not run). Such a micro-batch
+  adds exactly nothing to any sum or gradient (every term is masked), and a
+  packed batch with ``rl.fixed_row_buckets`` has one whenever its real tokens
+  need fewer micro-batches than its fixed shape holds (the rows fill in order)."""
+  return jax.lax.cond(jnp.any(micro_batch.loss_mask != 0), compute, skip, operand)
+
+
 def _check_rows(batches: dict, ucfg: UpdateConfig):
   for name, b in batches.items():
     if b.num_rows % _parts(b, ucfg):
@@ -92,11 +102,16 @@ def prox_logprobs(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConf
     parts = _parts(b, ucfg)
 
     def one(i, b=b):
-      logp, _ = objectives.sequence_logprobs(params, cfg, _split(b, parts, i),
-                                             temperature=lc.temperature, time_chunk=lc.time_chunk,
-                                             vocab_chunk=lc.vocab_chunk, compute_entropy=False,
-                                             vocab_limit=lc.vocab_limit)
-      return logp
+      mb = _split(b, parts, i)
+
+      def logprobs(mb):
+        logp, _ = objectives.sequence_logprobs(params, cfg, mb, temperature=lc.temperature,
+                                               time_chunk=lc.time_chunk,
+                                               vocab_chunk=lc.vocab_chunk, compute_entropy=False,
+                                               vocab_limit=lc.vocab_limit)
+        return logp
+
+      return _unless_empty(mb, logprobs, lambda mb: jnp.zeros(mb.old_logp.shape, jnp.float32), mb)
 
     out[term.batch] = jax.lax.map(one, jnp.arange(parts)).reshape(b.old_logp.shape)
   return out
@@ -121,10 +136,15 @@ def _grads(params, cfg, batches, ucfg, weights, ref_params, prox):
     m = batch_lib.micro_batches(b, ucfg.micro_batches)
 
     def micro_step(carry, i, b=b, p=p, denom=denom, m=m, k=k, term=term):
-      g_acc, l_acc, stats = carry
-      (l, ts), g = grad_fn(params, cfg, _split(b, m, i), term, ucfg.loss, weights[k], denom,
-                           ref_params, None if p is None else _split(p, m, i))
-      return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, jax.tree.map(jnp.add, stats, ts)), None
+      mb = _split(b, m, i)
+
+      def add(carry):
+        g_acc, l_acc, stats = carry
+        (l, ts), g = grad_fn(params, cfg, mb, term, ucfg.loss, weights[k], denom,
+                             ref_params, None if p is None else _split(p, m, i))
+        return jax.tree.map(jnp.add, g_acc, g), l_acc + l, jax.tree.map(jnp.add, stats, ts)
+
+      return _unless_empty(mb, add, lambda carry: carry, carry), None
 
     init = (zeros(), jnp.zeros(()), objectives.TermStats.zeros())
     (g, l, stats), _ = jax.lax.scan(micro_step, init, jnp.arange(m))
