@@ -226,11 +226,18 @@ VARIANTS = {
             "sampling.fap_prompt_buckets": (2048, 4096, 8192, 10_240),
             "templates.max_prompt_tokens": 10_240,
             "sampling.batch_buckets": (8, 16, 32, 64, 128),
-            "rl.micro_batches": 8,  # the fewest that fit on v5p:2x4x4 (--fit_micro_batches)
+            # the update on real tokens (fbos_jax/rl/packing.py): sequences end to end in
+            # rows of the padded row length, micro-batches of 147,456 tokens per batch
+            # shard (the padded run's 8 micro-batches: 16 EPA / 8 ECC rows), each batch at
+            # the most micro-batches its rows fill (rl.fixed_row_buckets: 12 update
+            # programs) and the empty ones skipped. Peak 72.5 GiB (76%); modelled update
+            # 48.6 s packed vs 95.6 s padded, step >= 109 s vs 156 s, under the assumed
+            # response lengths (--dry_run --topology=v5p:2x4x4)
+            "rl.micro_batch_tokens": 147_456, "rl.micro_batches": 1,
             # the engine with a slot for every row of a round (P*n = P*m = 512), so nothing
             # is staged; round 2's prefill (40.5 GiB pool of 10,240 + 8,192-token rows) peaks
-            # at 45.5 GiB (47%) (--dry_run --topology=v5p:2x4x4; roofline: step >= 156 s vs
-            # 293 s static, under the assumed response lengths it prints)
+            # at 48.4 GiB (50%) with the float32 master's state beside it (--dry_run
+            # --topology=v5p:2x4x4; roofline: continuous rounds 60.6 s vs 198 s static)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
             # one bucket per engine dimension (rows, page-table width, prefill chunk):

@@ -138,14 +138,17 @@ def test_packed_run_trains_on_real_tokens(tmp_path, small, one_device_mesh):
   _, hist_pad = padded.train()
   padded.close()
   longest = max(c.sampling.fap_prompt_buckets) + c.sampling.max_new_tokens
+  # the tiny config's rl.fixed_row_buckets: each batch at its most micro-batches, the
+  # empty ones skipped (tests/test_compile_set.py runs the bucketed layout)
   c = small("configs/fbos.py:tiny", **{"train.steps": 1, "rl.micro_batch_tokens": longest,
-                                       "rl.fixed_row_buckets": False, "sft.batch_size": 8,
+                                       "sft.batch_size": 8,
                                        "sft.fap_fraction": 0.25, "sft.corrections": "corrupt"})
   tr = RLTrainer(c, str(tmp_path / "packed"), mesh=one_device_mesh)
   state = tr.init_state()
   params, sft_hist = sft_lib.train_sft(c, tr.ctx, state.params, state.rng, steps=1,
                                        progress=False)
   assert np.isfinite(sft_hist[-1]["nll"]) and sft_hist[-1]["corrections"] > 0
+  assert 0 < sft_hist[-1]["real_token_frac"] <= 1
   state, hist = tr.train(tr.init_state(params))
   tr.close()
   assert int(state.step) == 1

@@ -268,7 +268,8 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
                               examples[:n_corr],
                               key=jax.random.fold_in(sample_key, s))
     batches, stats = builder(s, examples, failures)
-    batches, _ = packing.device_batches(batches, ucfg, mesh, ctx.rules)
+    batches, packed_m = packing.device_batches(batches, ucfg, mesh, ctx.rules)
+    stats = dict(stats, **packed_m)
     with jax.set_mesh(mesh):  # attention picks its kernel from the mesh's devices
       state, m = step_fn(state, batches)
     # wait for the previous step only, so the bar shows real progress while the
@@ -369,7 +370,8 @@ def _record(history, bar, ucfg, s, m, stats):
                   "corrections": stats.get("corrections", 0),
                   "corrections_own": stats.get("own", 0),
                   "corrections_truncated": stats.get("truncated", 0),
-                  "corrections_prompt_len": stats.get("prompt_len", 0)})
+                  "corrections_prompt_len": stats.get("prompt_len", 0),
+                  "real_token_frac": stats["update/real_token_frac"]})
   if hasattr(bar, "set_postfix"):
     bar.set_postfix(nll=f"{nll:.3f}", refresh=False)
 
