@@ -377,17 +377,17 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.rl.gfpo_adaptive = False  # adaptive-difficulty k (k_map over difficulty buckets)
   c.rl.gfpo_k_map = (8, 8, 6, 4)  # very hard, hard, medium, easy (for G=16)
   c.rl.gfpo_history = 256
-  # --- stale rollouts (pair with the decoupled loss: the `decoupled` flavor)
-  c.rl.staleness = 0  # eta: rollouts sampled by params eta updates old (0 = synchronous)
   c.rl.behav_weight_cap = 5.0  # AReaL: mask tokens whose pi_prox/pi_behav exceeds this
-  # --- asynchronous RL (AReaL's system; fbos_jax/rl/async_rl.py): a rollout worker and
-  # the trainer overlap, on their own devices or colocated
+  # --- asynchronous RL (AReaL's system; fbos_jax/rl/sources.py, docs/async.md): the rollout
+  # and the trainer overlap, on their own devices (or processes) or colocated; stale
+  # rollouts pair with the decoupled loss (the `decoupled` flavor)
   c.rl.rollout_devices = 0  # N devices of the rollout mesh, the rest train; 0 = colocated
   c.rl.max_staleness = 0  # eta: a batch is admitted while floor((N_r - 1) / B) <= i + eta
   c.rl.buffer_groups = 0  # finished groups the buffer holds; 0 = (eta + 1) x prompts_per_step
   c.rl.inflight_update = "keep_kv"  # keep_kv (PipelineRL) | recompute (AReaL): a weight
   #                                   update reaches rows in flight, their KV cache kept or redone
   c.rl.sync_chunk_mib = 512  # weight sync: the most MiB of params copied at once
+  c.rl.sync_timeout_s = 600.0  # a weight / batch transfer between processes that takes longer fails
   # the rollout mesh's axes when split (0 = as mesh.*): e.g. tensor=2 gives a 16-chip
   # rollout of 8 hosts 8 batch shards, one per host, as the continuous engine needs
   c.rl.rollout_mesh = mlc.ConfigDict(dict(dcn=0, data=0, fsdp=0, tensor=0))
@@ -500,7 +500,7 @@ def get_config_for(arg: str, flavors: tuple = ()) -> tuple[mlc.ConfigDict, tuple
 
 def apply_common_flavors(c: mlc.ConfigDict, flavors: tuple) -> mlc.ConfigDict:
   """Flavors shared by every algorithm: call last, after the algorithm's fields."""
-  if "decoupled" in flavors:  # AReaL: pi_prox recomputed each step; pair with rl.staleness
+  if "decoupled" in flavors:  # AReaL: pi_prox recomputed each step; pair with rl.max_staleness
     for term in c.rl.terms.values():
       if term.loss == "policy_gradient":
         term.loss = "decoupled"

@@ -169,14 +169,26 @@ def _from_jsonable(x):
 class Checkpointer:
   """Thin wrapper over ``ocp.CheckpointManager`` with our three items."""
 
-  def __init__(self, directory: str, *, save_every: int, keep: int, async_save: bool = True):
+  def __init__(self, directory: str, *, save_every: int, keep: int, async_save: bool = True,
+               processes: Optional[tuple] = None):
+    """``processes``: the processes that hold the state and save it together
+    (default all); orbax's barriers then go through jax.distributed's barriers
+    over them only, never a device program over every device."""
     directory = os.path.abspath(directory) if "://" not in directory else directory
     self.directory = directory
+    procs = tuple(processes) if processes is not None else tuple(range(jax.process_count()))
+    self.primary = procs[0]
+    multi = ocp.options.MultiprocessingOptions()
+    if jax.process_count() > 1:
+      multi = ocp.options.MultiprocessingOptions(primary_host=self.primary,
+                                                 active_processes=set(procs),
+                                                 barrier_sync_key_prefix="fbos_ckpt")
     self.manager = ocp.CheckpointManager(
         directory,
         options=ocp.CheckpointManagerOptions(
             save_interval_steps=max(int(save_every), 1), max_to_keep=keep,
-            enable_async_checkpointing=async_save, create=True),
+            enable_async_checkpointing=async_save, create=True,
+            multiprocessing_options=multi),
         item_names=("state", "data", "meta"),
     )
     self.restored_step: Optional[int] = None
@@ -303,7 +315,7 @@ class Checkpointer:
 
   def _move_aside(self, steps: list[int]) -> None:
     """Moves unreadable step directories to ``<parent>/corrupt_checkpoints``."""
-    if jax.process_index() != 0 or "://" in self.directory:
+    if jax.process_index() != self.primary or "://" in self.directory:
       return
     target = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints")
     for s in steps:
@@ -336,8 +348,8 @@ class Checkpointer:
                      expected_meta: Optional[dict] = None):
     """Only the params of checkpoint ``step`` (newest if None), into
     ``abstract_params`` (ShapeDtypeStructs with the target shardings): what
-    eval and export need, whatever the rest of the state's layout (staleness,
-    KL reference, optimizer) was. A model-config mismatch names the field and
+    eval and export need, whatever the rest of the state's layout (KL
+    reference, optimizer) was. A model-config mismatch names the field and
     both values. Returns (params, step, meta)."""
     step = self.latest_step() if step is None else int(step)
     if step is None:
@@ -394,13 +406,12 @@ def _check_layout(saved: Optional[dict], want: Optional[dict], where: str):
   written before the layout was recorded are not checked."""
   if not saved or not want:
     return
-  diff = {k: (saved.get(k), want.get(k)) for k in set(saved) | set(want)
-          if saved.get(k) != want.get(k)}
+  diff = {k: (saved[k], want[k]) for k in set(saved) & set(want) if saved[k] != want[k]}
   if diff:
     fields = ", ".join(f"{k}: checkpoint={a!r} config={b!r}" for k, (a, b) in sorted(diff.items()))
     raise CheckpointMismatchError(
         f"The checkpoint at {where} holds a training state of another layout ({fields}): "
-        "these fields decide what the state holds (stale params, the KL reference, the GFPO "
+        "these fields decide what the state holds (the KL reference, the GFPO "
         "history, the optimizer state), so it cannot resume this config. Use another "
         "--workdir, or set the fields back; eval and export read only the params and are "
         "not affected.")

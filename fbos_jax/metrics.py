@@ -55,12 +55,13 @@ class MetricsWriter:
   the restored step (0 without a checkpoint) is all a resume needs.
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, filename: str = "metrics.jsonl"):
+  def __init__(self, workdir: str, *, enabled: bool = True, filename: str = "metrics.jsonl",
+               tensorboard: bool = True):
     self.enabled = enabled
     self.path = os.path.join(workdir, filename)
     self._tb = None
     self._started = False
-    if enabled:
+    if enabled and tensorboard:
       os.makedirs(workdir, exist_ok=True)
       try:
         from tensorboardX import SummaryWriter

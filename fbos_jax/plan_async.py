@@ -1,7 +1,7 @@
 """Plans of the asynchronous system (issue 25): the split plan compiled, and the modelled speedup.
 
 * :func:`compile_split_plan`: the devices of a topology split as the run would
-  split them (``rl.rollout_devices``, :func:`fbos_jax.rl.async_rl.split_devices`),
+  split them (``rl.rollout_devices``, :func:`fbos_jax.rl.split.split_devices`),
   the trainer mesh's update program and the rollout mesh's sampler programs
   compiled with :func:`fbos_jax.plan.compile_program` (XLA's memory analysis is
   the authority), and the weight sync planned as it runs
@@ -30,7 +30,7 @@ import jax
 from fbos_jax import hardware as hw
 from fbos_jax import plan as plan_lib
 from fbos_jax import sharding as sh
-from fbos_jax.rl import async_rl
+from fbos_jax.rl import split as split_lib
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import shapes as shapes_lib
 from fbos_jax.rl import state as state_lib
@@ -53,9 +53,9 @@ class SplitMeshes:
 
 def split_meshes(config, devices, rollout_devices: int) -> SplitMeshes:
   """The two meshes of ``rollout_devices`` on ``devices`` (as the run splits them)."""
-  rollout_cfg = async_rl.rollout_mesh_config(config.mesh,
+  rollout_cfg = split_lib.rollout_mesh_config(config.mesh,
                                              config_lib.async_config(config).rollout_mesh)
-  trainer, rollout = async_rl.split_devices(devices, rollout_devices, config.mesh, rollout_cfg)
+  trainer, rollout = split_lib.split_devices(devices, rollout_devices, config.mesh, rollout_cfg)
   return SplitMeshes(hw.target_mesh(config, trainer), sh.make_mesh(rollout_cfg, rollout),
                      sh.rules_dict(config.mesh.rules))
 
@@ -116,7 +116,7 @@ def compile_split_plan(config, topology: str, rollout_devices: int, *,
       reports["trainer/update"], m = found
       suggestions["trainer/update"] = f"--config.rl.micro_batches={m}"
   sync = plan_sync(parts, meshes, chunk_bytes, chip)
-  params_rollout = async_rl.split_bytes(parts, meshes.trainer, meshes.rollout,
+  params_rollout = split_lib.split_bytes(parts, meshes.trainer, meshes.rollout,
                                         meshes.rules)["rollout"] // 2
   peaks = {}
   for side, extra in (("trainer", sync["intermediate_bytes_per_device"]),

@@ -1,5 +1,4 @@
-"""End-to-end run: tokenizer -> (warm start) -> RL -> checkpoints -> plot; and the
-params-only restore that eval and export use."""
+"""End-to-end run: tokenizer -> (warm start) -> RL -> checkpoints -> plot."""
 
 from __future__ import annotations
 
@@ -9,44 +8,15 @@ import time
 
 import jax
 import numpy as np
-from absl import logging
 
-from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data as data_lib
+from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
-from fbos_jax import sharding as sh
 from fbos_jax.model import hf
-from fbos_jax.model import qwen
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import sft as sft_lib
-from fbos_jax.rl import state as state_lib
-from fbos_jax.rl.context import RolloutContext
+from fbos_jax.rl import split as split_lib
 from fbos_jax.rl.trainer import RLTrainer
-
-
-def restore_params(config, workdir: str, *, step: int = -1, mesh=None):
-  """The params of checkpoint ``step`` (-1 = latest) of ``workdir``, placed on
-  ``mesh`` (default the config's) by the logical rules: no verifier pool, no data
-  iterator, no optimizer state. A checkpoint of another model names the field and
-  both values. Returns (params, step)."""
-  rules = sh.rules_dict(config.mesh.rules)
-  mesh = mesh if mesh is not None else sh.make_mesh(config.mesh)
-  model = qwen.ModelConfig.from_dict(config.model)
-  parts = config_lib.RunParts(model=model, sampling=None, rollout=None, update=None, optim=None)
-  specs = state_lib.param_specs(parts, mesh, rules)
-  abstract = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                        sharding=jax.sharding.NamedSharding(mesh, s)),
-      qwen.abstract_params(model), specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=1, keep=1)
-  try:
-    if ckpt.latest_step() is None:
-      raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
-    params, restored, _ = ckpt.restore_params(None if step < 0 else step, abstract,
-                                              {"model": config.model.to_dict()})
-  finally:
-    ckpt.close()
-  return params, restored
 
 
 def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = True,
@@ -54,11 +24,14 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
   t_start = time.perf_counter()
   os.makedirs(workdir, exist_ok=True)
   config = config_lib.with_checkpoint_model(config, init_from_hf)
-  trainer_cls = RLTrainer
-  if config_lib.async_config(config).enabled:  # a rollout worker beside the trainer
-    from fbos_jax.rl.async_trainer import AsyncRLTrainer
-    trainer_cls = AsyncRLTrainer
-  trainer = trainer_cls(config, workdir, allow_config_change=allow_config_change)
+  sides = split_lib.process_sides(config)
+  if sides and jax.process_index() in sides[1].processes:  # a rollout process of a split
+    from fbos_jax.rl import remote
+    remote.run_rollout(config, workdir, sides)
+    distributed.finish()
+    return None, {}
+  distributed.start_watchdog()
+  trainer = RLTrainer(config, workdir, allow_config_change=allow_config_change)
   params = None
   if config.model.hf_path:  # straight into the mesh's shardings, in model.param_dtype
     params, _ = hf.load_hf_params(config.model.hf_path, trainer.parts.model, mesh=trainer.mesh,
@@ -95,6 +68,7 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
                                      title=f"{config.algo} ({config.variant})")
       _print(f"curves: {png}")
   trainer.close()
+  distributed.finish()
   _print(json.dumps(summary))
   return state, summary
 

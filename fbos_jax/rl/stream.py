@@ -1,6 +1,6 @@
 """Streamed rounds: round 2 decodes beside the tail of round 1 (``rl.stream_rounds``).
 
-With the barrier (:func:`fbos_jax.rl.rollout.round1`, ``verify``, ``round2``)
+With the barrier (:func:`fbos_jax.rl.rounds.round1`, ``verify``, ``round2``)
 round 2 starts only once every round-1 row of the step has stopped and been
 verified. Here both rounds run in one continuous-engine run
 (``fbos_jax.engine.run``):
@@ -9,7 +9,7 @@ verified. Here both rounds run in one continuous-engine run
   have stopped (the verdicts of a group decide its round 2: which rollouts get a
   FAP, GOLF's one prompt over its failed attempts), in a background thread;
 * between decode windows the engine polls the feed: a prompt whose verdicts are
-  in gets its round-2 contexts (:func:`~fbos_jax.rl.rollout.round2_calls`), which
+  in gets its round-2 contexts (:func:`~fbos_jax.rl.rounds.round2_calls`), which
   join the queue at once and decode beside the rest of round 1;
 * each prompt's m round-2 rows are verified as soon as they have all stopped.
 
@@ -26,13 +26,14 @@ import concurrent.futures
 import jax
 import numpy as np
 
-from fbos_jax.rl import rollout as R
+from fbos_jax import distributed
+from fbos_jax.rl import rounds as R
 from fbos_jax.rl.context import RolloutContext
 
 
 class _Round:
   """One round's rows as they stop, held in a [P, width] grid that a
-  :class:`~fbos_jax.rl.rollout.Rollouts` views (no copy)."""
+  :class:`~fbos_jax.rl.rounds.Rollouts` views (no copy)."""
 
   def __init__(self, p: int, width: int, r: int, seed):
     self.width = width
@@ -40,7 +41,8 @@ class _Round:
     self.ro = R.Rollouts(
         contexts=[[[] for _ in range(width)] for _ in range(p)],
         tokens=np.zeros((p, width, r), np.int32), mask=np.zeros((p, width, r), np.int32),
-        logp=np.zeros((p, width, r), np.float32), lengths=np.zeros((p, width), np.int32),
+        logp=np.zeros((p, width, r), np.float32), versions=np.full((p, width, r), -1, np.int64),
+        lengths=np.zeros((p, width), np.int32),
         valid=np.zeros((p, width), bool), source=np.full((p, width), -1, np.int64),
         texts=[[""] * width for _ in range(p)], seed=seed,
         rewards=np.zeros((p, width), np.float32), is_error=np.zeros((p, width), bool),
@@ -49,6 +51,8 @@ class _Round:
   def add(self, p: int, j: int, row, text: str):
     ro, m = self.ro, row.tokens.size
     ro.tokens[p, j, :m], ro.logp[p, j, :m], ro.lengths[p, j] = row.tokens, row.logprobs, m
+    if row.versions is not None:
+      ro.versions[p, j, :m] = row.versions
     ro.mask[p, j, :m] = 1
     ro.texts[p][j] = text
     self.done[p] += 1
@@ -91,7 +95,7 @@ def streamed_rounds(ctx: RolloutContext, params, examples: list, k1, k2):
   from fbos_jax import engine as engine_lib
   spec, sp = ctx.spec, ctx.parts.sampling
   p_count, n, r = len(examples), spec.group_size, sp.round1.max_new_tokens
-  base = jax.process_index() * p_count
+  base = distributed.process_index() * p_count
   raw1, raw2 = (np.asarray(jax.random.key_data(k), np.uint32) for k in (k1, k2))
   rounds = {1: _Round(p_count, n, r, R.host_seed(k1)),
             2: _Round(p_count, spec.round2_size, r, R.host_seed(k2))}

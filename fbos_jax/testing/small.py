@@ -67,11 +67,12 @@ def parity_reward(example, response):
   return float(ok), "correct" if ok else f"the answer has odd length {len(response)}"
 
 
-def assert_resume_matches_straight(make_trainer, workdir: str, drop_prefixes=("time/",)):
+def assert_resume_matches_straight(make_trainer, workdir: str,
+                                   drop_prefixes=("time/", "tokens/per_s", "async/")):
   """4 steps straight against 2 steps, a fresh trainer, 2 more (``make_trainer(dir)``
   builds a trainer of a 4-step config writing to ``dir``): the same state, leaf for
   leaf, and the same metrics rows but the keys starting with ``drop_prefixes``
-  (timings). Returns (straight state, resumed state)."""
+  (timings and busy fractions). Returns (straight state, resumed state)."""
   import os
   import numpy as np
   from fbos_jax import metrics as metrics_lib
