@@ -166,6 +166,29 @@ def _from_jsonable(x):
   return x
 
 
+def multiprocessing_options(processes: Optional[tuple] = None, prefix: str = "fbos_ckpt"):
+  """Orbax's options for a save by ``processes`` (default all): with several
+  processes its barriers go through jax.distributed's barriers over them only
+  (never a device program over every device; a split's other side is not there)."""
+  if jax.process_count() == 1:
+    return ocp.options.MultiprocessingOptions()
+  procs = tuple(processes) if processes is not None else tuple(range(jax.process_count()))
+  return ocp.options.MultiprocessingOptions(primary_host=procs[0], active_processes=set(procs),
+                                            barrier_sync_key_prefix=prefix)
+
+
+def savable(tree: Any) -> Any:
+  """``tree`` as orbax saves it: in a multi-process run whose state lives on one
+  process (one side of a split), its arrays as host numpy arrays, which orbax
+  writes from its primary process (it refuses a process-local jax.Array when
+  there are several processes); restore places them on the target shardings."""
+  if jax.process_count() == 1:
+    return tree
+  import numpy as np
+  return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and
+                      x.is_fully_addressable else x, tree)
+
+
 class Checkpointer:
   """Thin wrapper over ``ocp.CheckpointManager`` with our three items."""
 
@@ -176,18 +199,15 @@ class Checkpointer:
     over them only, never a device program over every device."""
     directory = os.path.abspath(directory) if "://" not in directory else directory
     self.directory = directory
-    procs = tuple(processes) if processes is not None else tuple(range(jax.process_count()))
-    self.primary = procs[0]
-    multi = ocp.options.MultiprocessingOptions()
-    if jax.process_count() > 1:
-      multi = ocp.options.MultiprocessingOptions(primary_host=self.primary,
-                                                 active_processes=set(procs),
-                                                 barrier_sync_key_prefix="fbos_ckpt")
+    multi = multiprocessing_options(processes)
+    self.primary = multi.primary_host
+    if jax.process_count() > 1 and "://" not in directory:  # orbax leaves it to us then
+      os.makedirs(directory, exist_ok=True)
     self.manager = ocp.CheckpointManager(
         directory,
         options=ocp.CheckpointManagerOptions(
             save_interval_steps=max(int(save_every), 1), max_to_keep=keep,
-            enable_async_checkpointing=async_save, create=True,
+            enable_async_checkpointing=async_save, create=jax.process_count() == 1,
             multiprocessing_options=multi),
         item_names=("state", "data", "meta"),
     )
@@ -264,7 +284,7 @@ class Checkpointer:
       return self.manager.save(
           int(step),
           args=ocp.args.Composite(
-              state=ocp.args.StandardSave(state),
+              state=ocp.args.StandardSave(savable(state)),
               data=ocp.args.JsonSave(_to_jsonable(data_state)),
               meta=ocp.args.JsonSave(_to_jsonable(meta))),
           force=force)

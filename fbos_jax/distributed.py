@@ -234,6 +234,17 @@ _SIDE: Optional[Side] = None
 _ROLES: dict = {}  # process -> the side it is on (for errors)
 _SEQ: dict = {}  # side name -> calls made (every process of a side makes the same calls)
 _DONE = "fbos/done/"
+_ERROR = "fbos/error/"
+_BEAT = "fbos/beat/"
+_BYE = "fbos/bye/"
+_BEATS: dict = {}  # process -> (its last heartbeat seen, when it changed, local clock)
+_HEARTBEAT_TIMEOUT_S = [20.0]
+_FAILING = threading.Event()
+
+
+def set_heartbeat_timeout(seconds: float):
+  """How long a silent peer is waited for before it counts as lost."""
+  _HEARTBEAT_TIMEOUT_S[0] = float(seconds)
 
 
 def set_sides(mine: Side, *others: Side):
@@ -271,39 +282,61 @@ def _client():
   return jd.global_state.client
 
 
+def _lost_service(e: BaseException) -> PeerLostError:
+  return PeerLostError(f"{describe_process(0)}, which hosts the coordination service, is gone "
+                       f"({str(e).splitlines()[0]}); {describe_process(jax.process_index())} "
+                       "stops too")
+
+
 def check_peers(processes=None, what: str = ""):
-  """Raise :class:`PeerLostError` naming every process of ``processes`` (default
-  all) that the coordination service no longer sees and that did not finish."""
-  procs = list(range(jax.process_count())) if processes is None else list(processes)
-  client = _client()
-  live = set(client.get_live_nodes(procs))
-  lost = [p for p in procs if p not in live and not _finished(client, p)]
+  """Raise :class:`PeerLostError` naming a process of ``processes`` (default all)
+  that reported a failure, or whose heartbeat (:func:`start_watchdog`) stopped
+  for ``heartbeat_timeout_s`` without its having finished. (The coordination
+  service's own liveness call is a barrier over the processes asked, so it
+  cannot be polled by one side alone.)"""
+  me = jax.process_index()
+  procs = [p for p in (range(jax.process_count()) if processes is None else processes) if p != me]
+  try:
+    for p in range(jax.process_count()):
+      msg = get_key(f"{_ERROR}{p}", strict=True)
+      if msg is not None and p != me:
+        raise PeerLostError(f"{describe_process(p)} failed: {msg}")
+    now, lost = time.time(), []
+    for p in procs:
+      beat = get_key(f"{_BEAT}{p}", strict=True)
+      seen = _BEATS.get(p)
+      if seen is None or seen[0] != beat:
+        _BEATS[p] = (beat, now)
+      elif now - seen[1] > _HEARTBEAT_TIMEOUT_S[0] and get_key(f"{_DONE}{p}", strict=True) is None:
+        lost.append(p)
+  except PeerLostError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the coordination service itself is gone
+    raise _lost_service(e) from None
   if lost:
     raise PeerLostError(
-        f"{', '.join(describe_process(p) for p in lost)} stopped (no heartbeat: it died or "
-        f"was killed){' while ' + what if what else ''}; {describe_process(jax.process_index())} "
-        "stops too. Restart the same command on the same workdir to resume from the last "
-        "checkpoint.")
+        f"{', '.join(describe_process(p) for p in lost)} stopped (no heartbeat for "
+        f"{_HEARTBEAT_TIMEOUT_S[0]:.0f} s: it died or was killed)"
+        f"{' while ' + what if what else ''}; {describe_process(me)} stops too. Restart the "
+        "same command on the same workdir to resume from the last checkpoint.")
 
 
-def _finished(client, p: int) -> bool:
-  return get_key(f"{_DONE}{p}") is not None
-
-
-def get_key(key: str) -> Optional[str]:
-  """The value of ``key`` in jax.distributed's key-value store, or None (not set)."""
+def get_key(key: str, strict: bool = False) -> Optional[str]:
+  """The value of ``key`` in jax.distributed's key-value store, or None (not set;
+  with ``strict``, any other error raises)."""
   try:
     return _client().key_value_try_get(key)
-  except Exception:  # noqa: BLE001 - NOT_FOUND
+  except Exception as e:  # noqa: BLE001 - NOT_FOUND
+    if strict and "NOT_FOUND" not in str(e):
+      raise
     return None
 
 
 def wait_key(key: str, what: str, *, processes=None, timeout_s: Optional[float] = None,
-             poll_s: float = 1.0, on_poll=None) -> bytes:
+             poll_s: float = 1.0) -> bytes:
   """The value of ``key`` in jax.distributed's key-value store, once some process
   sets it; raises :class:`PeerLostError` (naming it) as soon as a process of
-  ``processes`` (default all) is gone, TimeoutError after ``timeout_s``;
-  ``on_poll()`` runs every ``poll_s`` while it waits (it may raise)."""
+  ``processes`` (default all) is gone, TimeoutError after ``timeout_s``."""
   client = _client()
   t0 = time.time()
   while True:
@@ -311,10 +344,8 @@ def wait_key(key: str, what: str, *, processes=None, timeout_s: Optional[float] 
       return client.blocking_key_value_get_bytes(key, int(poll_s * 1000))
     except Exception as e:  # noqa: BLE001 - a deadline: look at the peers, wait again
       if "DEADLINE_EXCEEDED" not in str(e):
-        raise
+        raise _lost_service(e) from None
     check_peers(processes, what)
-    if on_poll is not None:
-      on_poll()
     if timeout_s is not None and time.time() - t0 > timeout_s:
       raise TimeoutError(f"{describe_process(jax.process_index())} waited {timeout_s:.0f} s "
                          f"for {what} ({key})")
@@ -324,42 +355,84 @@ def put_key(key: str, value: bytes):
   _client().key_value_set_bytes(key, value, allow_overwrite=True)
 
 
-def finish(timeout_s: float = 60.0):
+def _leave(code: int):
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def finish():
   """This process is done: mark it (so that peers do not take its exit for a
-  crash) and wait until every process is. The others then leave the
-  coordination service, and process 0, which hosts it, waits for them to be
-  gone before it may exit (a service that stops under a connected process
-  aborts that process)."""
+  crash) and wait until every process is. The others then leave at once
+  (without jax's exit-time shutdown), and process 0, which hosts the
+  coordination service, returns once they have said so (a service that stops
+  under a connected process aborts that process)."""
   if jax.process_count() == 1:
     return
-  put_key(f"{_DONE}{jax.process_index()}", b"1")
+  me = jax.process_index()
+  put_key(f"{_DONE}{me}", b"1")
   for p in range(jax.process_count()):
     wait_key(f"{_DONE}{p}", "the end of the run")
-  if jax.process_index() != 0:
-    jax.distributed.shutdown()
-    return
-  others, t0 = list(range(1, jax.process_count())), time.time()
-  while _client().get_live_nodes(others) and time.time() - t0 < timeout_s:
-    time.sleep(0.1)
+  if me != 0:
+    put_key(f"{_BYE}{me}", b"1")
+    _leave(0)
+  for p in range(1, jax.process_count()):
+    wait_key(f"{_BYE}{p}", "the end of the run")
+  time.sleep(0.5)  # their os._exit
 
 
-def start_watchdog(poll_s: float = 2.0):
-  """A daemon thread that ends this process (exit status ``PEER_LOST_EXIT_CODE``,
-  the lost process named on stderr) when another process is gone, whatever this
-  one is doing then (e.g. waiting inside a collective program)."""
+def fail_run(error: BaseException, wait_s: float = 30.0):
+  """This process of a multi-process run fails with ``error``: tell the others
+  (their waits and watchdogs raise it, naming this process), print it, and leave
+  without jax's exit-time shutdown (which would abort loudly once the
+  coordination service is gone). Process 0, which hosts the service, first
+  waits (up to ``wait_s``) until the others' heartbeats stop. Never returns."""
+  import traceback
+  _FAILING.set()  # the watchdog says nothing more
+  traceback.print_exception(error, file=sys.stderr)
+  me = jax.process_index()
+  try:
+    put_key(f"{_ERROR}{me}", f"{type(error).__name__}: {error}"[:4000].encode())
+    t0, last = time.time(), {}
+    while me == 0 and time.time() - t0 < wait_s:
+      beats = {p: get_key(f"{_BEAT}{p}") for p in range(1, jax.process_count())}
+      now = time.time()
+      last = {p: (b, last[p][1] if p in last and last[p][0] == b else now)
+              for p, b in beats.items()}
+      if all(now - t > 3.0 for _, t in last.values()):
+        break
+      time.sleep(0.2)
+  except Exception:  # noqa: BLE001 - the service is gone already
+    pass
+  print(f"[fbos_jax.distributed] {describe_process(me)} stops: "
+        f"{type(error).__name__}: {str(error)[:2000]}", file=sys.stderr, flush=True)
+  _leave(1)
+
+
+def start_watchdog(poll_s: float = 1.0):
+  """A daemon thread that writes this process's heartbeat (every ``poll_s``) and
+  ends this process (exit status ``PEER_LOST_EXIT_CODE``, the lost process named
+  on stderr) when another one is gone, whatever this one is doing then (e.g.
+  waiting inside a collective program)."""
   if jax.process_count() == 1:
     return
+  me = jax.process_index()
 
   def watch():
+    beat = 0
     while True:
-      time.sleep(poll_s)
       try:
+        beat += 1
+        put_key(f"{_BEAT}{me}", str(beat).encode())
         check_peers(what="watching the peers")
       except PeerLostError as e:
+        if _FAILING.is_set():
+          return
         print(f"[fbos_jax.distributed] {e}", file=sys.stderr, flush=True)
-        os._exit(PEER_LOST_EXIT_CODE)
-      except Exception:  # noqa: BLE001 - the service itself is gone (its host died)
+        _leave(PEER_LOST_EXIT_CODE)
+      except Exception:  # noqa: BLE001 - shut down
         return
+      time.sleep(poll_s)
 
   threading.Thread(target=watch, name="fbos-peer-watchdog", daemon=True).start()
 

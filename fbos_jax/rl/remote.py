@@ -82,28 +82,18 @@ def _local_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def _fail_check(other):
-  """A wait's poll: raise the other side's reported failure, if any."""
-  def check():
-    for p in other.processes:
-      msg = distributed.get_key(f"{KEY}error/{p}")
-      if msg is not None:
-        raise SyncError(f"{distributed.describe_process(p)} failed: {msg}")
-  return check
-
-
 class Channel:
   """This process's transfer server, and connections to its peers' (their
   addresses through the key-value store)."""
 
-  def __init__(self, other):
+  def __init__(self):
     from jax.experimental import transfer
     devs = jax.local_devices()
     host = _local_address()
     self.server = transfer.start_transfer_server(devs[0].client, f"{host}:0",
                                                  [f"{host}:0"] * len(devs))
     distributed.put_key(f"{KEY}xfer/{jax.process_index()}", self.server.address().encode())
-    self.other, self._conns = other, {}
+    self._conns = {}
 
   def offer(self, uuid: int, arrays: list):
     self.server.await_pull(int(uuid), arrays)
@@ -120,8 +110,8 @@ class Channel:
                       f"(rl.sync_timeout_s={timeout_s:g}): {type(e).__name__}: {e}") from e
 
 
-def _json(key: str, what: str, other) -> dict:
-  return json.loads(distributed.wait_key(KEY + key, what, on_poll=_fail_check(other)).decode())
+def _json(key: str, what: str) -> dict:
+  return json.loads(distributed.wait_key(KEY + key, what).decode())
 
 
 def _put_json(key: str, obj):
@@ -134,14 +124,6 @@ def _jsonable(x):
   if isinstance(x, np.ndarray):
     return x.tolist()
   return str(x)
-
-
-def _report_failure(e: BaseException):
-  try:
-    distributed.put_key(f"{KEY}error/{jax.process_index()}",
-                        f"{type(e).__name__}: {e}"[:2000].encode())
-  except Exception:  # noqa: BLE001 - the service may be gone too
-    pass
 
 
 def _paired_mesh(rollout_mesh, trainer_procs, rollout_procs) -> Mesh:
@@ -172,7 +154,7 @@ class ProcessSource:
     self.pair = self.rollout.processes[self.trainer.index]
     self.acfg, self.timeout_s = parts.asynchronous, parts.asynchronous.sync_timeout_s
     self.parts, self.rules, self.rollout_mesh = parts, rules, rollout_mesh
-    self.chan = Channel(self.rollout)
+    self.chan = Channel()
     self._copy, self._data, self._busy = None, None, 0.0
     self._gfpo_tree = None
 
@@ -211,8 +193,7 @@ class ProcessSource:
             "async/sync_bytes": float(nbytes * self.trainer.count)}
 
   def take(self, state, k: int, params) -> sources.StepItem:
-    meta = _json(f"b/{self.pair}/{k}", f"batch {k} from rollout process {self.pair}",
-                 self.rollout)
+    meta = _json(f"b/{self.pair}/{k}", f"batch {k} from rollout process {self.pair}")
     dev = jax.local_devices()[0]
     specs = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=SingleDeviceSharding(dev))
              for _, s, d in meta["arrays"]]
@@ -280,13 +261,12 @@ class RemotePolicy:
       self.pull_bytes += sum(s.data.nbytes for x in leaves for s in x.addressable_shards)
 
 
-def _wait_until(cond, what: str, trainer):
-  """Poll ``cond()`` (every 20 ms) until true, watching the trainer side."""
-  check, last = _fail_check(trainer), time.time()
+def _wait_until(cond, what: str):
+  """Poll ``cond()`` (every 20 ms) until true, watching the peers."""
+  last = time.time()
   while not cond():
     time.sleep(0.02)
     if time.time() - last > 1.0:
-      check()
       distributed.check_peers(what=what)
       last = time.time()
 
@@ -296,12 +276,7 @@ def run_rollout(config, workdir: str, sides):
   process until the trainer's last step (see the module doc)."""
   trainer, rollout = sides
   distributed.set_sides(rollout, trainer)
-  distributed.start_watchdog()
-  try:
-    _rollout_loop(config, workdir, trainer, rollout)
-  except BaseException as e:
-    _report_failure(e)
-    raise
+  _rollout_loop(config, workdir, trainer, rollout)
 
 
 def _rollout_loop(config, workdir: str, trainer, rollout):
@@ -313,12 +288,12 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
                       process_count=distributed.process_count())
   ctx = RolloutContext.build(config, workdir, mesh=mesh)
   it = sources.train_iterator(config, ctx.tokenizer)
-  chan = Channel(trainer)
+  chan = Channel()
   me = rollout.index
-  start = _json(f"start/{me}", "the trainer's start", trainer)
+  start = _json(f"start/{me}", "the trainer's start")
   if start["data"]:
     it.set_state(start["data"])
-  shapes = _json(f"wmeta/{me}", "the trainer's weights", trainer)
+  shapes = _json(f"wmeta/{me}", "the trainer's weights")
   specs = jax.tree.leaves(state_lib.param_specs(ctx.parts, mesh, rules),
                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   policy = RemotePolicy(chan, me, trainer, [
@@ -332,8 +307,9 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
   logging.info("rollout process %d: batches %d..%d for trainer process %d", jax.process_index(),
                start["step"], start["stop"] - 1, policy.pair)
   for k in range(start["step"], start["stop"]):
-    _wait_until(lambda: sources.admitted(k, policy.offered(), b, acfg.max_staleness)
-                and k < _taken(start["step"]) + capacity, f"waiting to sample batch {k}", trainer)
+    _wait_until(lambda: policy.offered() >= 0  # (the first weights are there)
+                and sources.admitted(k, policy.offered(), b, acfg.max_staleness)
+                and k < _taken(start["step"]) + capacity, f"waiting to sample batch {k}")
     busy.mark(True)
     examples = next(it)
     data_state = it.get_state() if hasattr(it, "get_state") else {}

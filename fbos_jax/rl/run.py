@@ -19,14 +19,26 @@ from fbos_jax.rl import split as split_lib
 from fbos_jax.rl.trainer import RLTrainer
 
 
-def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = True,
-                 allow_config_change: bool = False):
+def run_training(config, workdir: str, **kw):
+  """The run (:func:`train_and_summarise`); in a multi-process run a failure here
+  is told to the other processes, which stop naming this one."""
+  try:
+    return train_and_summarise(config, workdir, **kw)
+  except BaseException as e:  # noqa: BLE001
+    if jax.process_count() > 1:
+      distributed.fail_run(e)
+    raise
+
+
+def train_and_summarise(config, workdir: str, *, init_from_hf: str = "", plot: bool = True,
+                        allow_config_change: bool = False):
   t_start = time.perf_counter()
   os.makedirs(workdir, exist_ok=True)
   config = config_lib.with_checkpoint_model(config, init_from_hf)
   sides = split_lib.process_sides(config)
   if sides and jax.process_index() in sides[1].processes:  # a rollout process of a split
     from fbos_jax.rl import remote
+    distributed.start_watchdog()
     remote.run_rollout(config, workdir, sides)
     distributed.finish()
     return None, {}
