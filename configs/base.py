@@ -190,8 +190,9 @@ VARIANTS = {
             # (--dry_run --topology=v5p:2x4x4; roofline: step >= 25.1 s vs 27.9 s static)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
-            # split for the asynchronous loop (rl.rollout_devices=16 of 32): the rollout
-            # mesh's 16 chips on 8 hosts need 8 batch shards, one per host, for the engine
+            # split for the asynchronous loop (rl.rollout_devices=16 of 32: 4 whole hosts
+            # per side): the rollout mesh's axes (the engine needs its batch shards to
+            # divide over the side's 4 hosts)
             "rl.rollout_mesh.tensor": 2,
             # round 2 samples P*m = 512 FAP rows; all at once they need more than a
             # v5p's HBM, so the sampler takes them in chunks of 256 prompts
@@ -214,7 +215,7 @@ VARIANTS = {
             # 293 s static, under the assumed response lengths it prints)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
-            "rl.rollout_mesh.tensor": 2,  # as qwen_8b's: one batch shard per host when split
+            "rl.rollout_mesh.tensor": 2,  # as qwen_8b's (split: 4 whole hosts per side)
         })),
     # The real-user path at CPU size: a Qwen3 checkpoint directory (the real-shape
     # fixture of fbos_jax/testing/qwen_fixture.py, or any --init_from_hf=DIR: its

@@ -17,11 +17,12 @@ must split over the processes).
 They go through jax.distributed's key-value store, never through a device
 program over every device, and over the processes of this process's
 :class:`Side` only (all of them, or one side of a whole-process rollout /
-trainer split), each side in its own namespace. A process that dies is seen by
-the coordination service (``heartbeat_timeout_s``); every wait here then raises
-:class:`PeerLostError` naming it, and :func:`start_watchdog` ends a process
-stuck elsewhere. ``jax_enable_recoverability`` keeps the others alive long
-enough to say so.
+trainer split), each side in its own namespace. Every process writes a
+heartbeat there (:func:`start_watchdog`); a process whose heartbeat stops (20 s)
+or that reports a failure (:func:`fail_run`) is named by every wait here
+(:class:`PeerLostError`) and by the watchdog, which ends a process stuck
+elsewhere, well before the coordination service's own heartbeat timeout
+(``heartbeat_timeout_s``) would abort it with less to say.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def _wait_for_coordinator(address: str, process_id: int, deadline: float, timeou
 
 def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
                *, timeout_s: int = 300, local_device_ids=None,
-               heartbeat_timeout_s: int = 10) -> bool:
+               heartbeat_timeout_s: int = 60) -> bool:
   """Initialise jax.distributed when there is more than one process.
 
   Returns True if it initialised. Never hangs past ``timeout_s``:
@@ -190,7 +191,6 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
   threading.Thread(target=watchdog, name="jax-distributed-watchdog", daemon=True).start()
   try:
     # JAX's own deadline is set past ours, so that the watchdog speaks first.
-    jax.config.update("jax_enable_recoverability", True)  # a lost peer: our error, no abort
     if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):  # programs over CPU hosts
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(initialization_timeout=int(left) + 30,
@@ -202,6 +202,7 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
         "running and reachable on that port?") from None
   finally:
     done.set()
+  start_watchdog()
   return True
 
 
@@ -236,10 +237,10 @@ _SEQ: dict = {}  # side name -> calls made (every process of a side makes the sa
 _DONE = "fbos/done/"
 _ERROR = "fbos/error/"
 _BEAT = "fbos/beat/"
-_BYE = "fbos/bye/"
 _BEATS: dict = {}  # process -> (its last heartbeat seen, when it changed, local clock)
 _HEARTBEAT_TIMEOUT_S = [20.0]
 _FAILING = threading.Event()
+_WATCHING = threading.Event()
 
 
 def set_heartbeat_timeout(seconds: float):
@@ -362,23 +363,14 @@ def _leave(code: int):
 
 
 def finish():
-  """This process is done: mark it (so that peers do not take its exit for a
-  crash) and wait until every process is. The others then leave at once
-  (without jax's exit-time shutdown), and process 0, which hosts the
-  coordination service, returns once they have said so (a service that stops
-  under a connected process aborts that process)."""
+  """This process is done: mark it (so that peers do not take its silence for a
+  crash) and wait until every process is; then they all leave through jax's
+  exit-time shutdown barrier."""
   if jax.process_count() == 1:
     return
-  me = jax.process_index()
-  put_key(f"{_DONE}{me}", b"1")
+  put_key(f"{_DONE}{jax.process_index()}", b"1")
   for p in range(jax.process_count()):
     wait_key(f"{_DONE}{p}", "the end of the run")
-  if me != 0:
-    put_key(f"{_BYE}{me}", b"1")
-    _leave(0)
-  for p in range(1, jax.process_count()):
-    wait_key(f"{_BYE}{p}", "the end of the run")
-  time.sleep(0.5)  # their os._exit
 
 
 def fail_run(error: BaseException, wait_s: float = 30.0):
@@ -410,12 +402,15 @@ def fail_run(error: BaseException, wait_s: float = 30.0):
 
 
 def start_watchdog(poll_s: float = 1.0):
-  """A daemon thread that writes this process's heartbeat (every ``poll_s``) and
-  ends this process (exit status ``PEER_LOST_EXIT_CODE``, the lost process named
-  on stderr) when another one is gone, whatever this one is doing then (e.g.
-  waiting inside a collective program)."""
-  if jax.process_count() == 1:
+  """A daemon thread (started by :func:`initialize`) that writes this process's
+  heartbeat (every ``poll_s``) and ends this process (exit status
+  ``PEER_LOST_EXIT_CODE``, the lost process named on stderr) when another one is
+  gone, whatever this one is doing then (e.g. waiting inside a collective
+  program), before the coordination service's own heartbeat timeout aborts it
+  with less to say."""
+  if jax.process_count() == 1 or _WATCHING.is_set():
     return
+  _WATCHING.set()
   me = jax.process_index()
 
   def watch():

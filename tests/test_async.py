@@ -446,3 +446,23 @@ def test_streamed_rounds_with_the_engine_in_the_asynchronous_loop(tmp_path, smal
   rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
   assert int(state.step) == 2 and max(r["staleness/max"] for r in rows) <= 1
   assert all(r["round2/rollouts"] > 0 and r["rollout/windows"] > 0 for r in rows)
+
+
+def test_the_engine_admits_the_next_steps_prompts_before_a_step_drains(tmp_path, small):
+  """The continuous engine on the rollout thread, eta = 1: one engine run for the
+  whole loop, step k + 1's prompts admitted while step k still decodes (AReaL's
+  streaming: generation never drains between steps), slot utilisation over the
+  run reported, every trained token within eta."""
+  c = small("configs/fbos.py:tiny", **{
+      "train.steps": 4, "rl.rollout_devices": 4, "rl.max_staleness": 1,
+      "sampling.engine": "continuous", "engine.slots": 8, "engine.window": 2,
+      "engine.page_size": 8, "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = RLTrainer(c, str(tmp_path))
+  state, _ = tr.train()
+  tr.close()
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert int(state.step) == 4 and max(r["staleness/max"] for r in rows) <= 1
+  assert any(r["rollout/steps_beside"] > 0 for r in rows)  # admitted beside a step in flight
+  assert all(0 < r["rollout/slot_util"] <= 1 for r in rows)
+  windows = [r["rollout/windows"] for r in rows]
+  assert windows == sorted(windows) and windows[0] > 0  # one engine run: counts over the run

@@ -301,28 +301,42 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
       for (s, d), p in zip(shapes, specs)], acfg.inflight_update, acfg.sync_timeout_s)
   policy.treedef = jax.tree.structure(state_lib.abstract_state(ctx.parts, mesh, rules).params)
   rng = np.asarray(start["rng"], np.uint32)
-  gfpo = [np.asarray(x) for x in start["gfpo"]]
+  gfpo = _gfpo_tree([np.asarray(x) for x in start["gfpo"]], ctx, mesh, rules)
   b, busy = ctx.spec.prompts_per_step, sources.Busy()
   capacity = acfg.buffer_batches(b)
+  first, stop = start["step"], start["stop"]
+  pulled = [0.0, 0]
+
+  def ready(k: int, in_flight: int = 0) -> bool:
+    """Batch k admitted, and room for it: batches taken..k-1 are in flight, sent or
+    buffered on the trainer's side, at most ``capacity`` of them."""
+    v = policy.offered()
+    return v >= 0 and sources.admitted(k, v, b, acfg.max_staleness) and k < _taken(first) + capacity
+
+  def send(item: sources.StepItem):
+    leaves = [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(item.traj.gfpo)]
+    _send(chan, item, leaves, {"busy_s": busy(), "pull_s": policy.pull_s - pulled[0],
+                               "pull_bytes": float(policy.pull_bytes - pulled[1])})
+    pulled[:] = [policy.pull_s, policy.pull_bytes]
+
   logging.info("rollout process %d: batches %d..%d for trainer process %d", jax.process_index(),
-               start["step"], start["stop"] - 1, policy.pair)
-  for k in range(start["step"], start["stop"]):
-    _wait_until(lambda: policy.offered() >= 0  # (the first weights are there)
-                and sources.admitted(k, policy.offered(), b, acfg.max_staleness)
-                and k < _taken(start["step"]) + capacity, f"waiting to sample batch {k}")
-    busy.mark(True)
-    examples = next(it)
-    data_state = it.get_state() if hasattr(it, "get_state") else {}
-    pulled = (policy.pull_s, policy.pull_bytes)
-    admit = policy.current()[1]
-    traj = rollout_lib.rollout_step(ctx, policy, examples,
-                                    state_lib.stream_key(rng, "sample", k),
-                                    gfpo_state=_gfpo_tree(gfpo, ctx, mesh, rules))
-    gfpo = [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(traj.gfpo)]
-    busy.mark(False)
-    _send(chan, k, traj, gfpo, {
-        "data_state": data_state, "admit_version": admit, "busy_s": busy(),
-        "pull_s": policy.pull_s - pulled[0], "pull_bytes": float(policy.pull_bytes - pulled[1])})
+               first, stop - 1, policy.pair)
+  _wait_until(lambda: ready(first), f"waiting to sample batch {first}")
+  if ctx.parts.sampling.engine == "continuous" and distributed.process_count() == 1:
+    sources.stream_steps(ctx, policy, it, rng=rng, gfpo=gfpo, start=first, stop=stop,
+                         admit=ready, put=send, busy=busy)  # never drains between steps
+  else:  # (several rollout processes agree on shapes at each step's end: step by step)
+    for k in range(first, stop):
+      _wait_until(lambda: ready(k), f"waiting to sample batch {k}")
+      busy.mark(True)
+      examples = next(it)
+      data_state = it.get_state() if hasattr(it, "get_state") else {}
+      admit = policy.current()[1]
+      traj = rollout_lib.rollout_step(ctx, policy, examples,
+                                      state_lib.stream_key(rng, "sample", k), gfpo_state=gfpo)
+      gfpo = traj.gfpo
+      busy.mark(False)
+      send(sources.StepItem(k, traj, data_state, admit))
   ctx.close()
 
 
@@ -338,17 +352,17 @@ def _gfpo_tree(leaves: list, ctx, mesh, rules):
   return jax.tree.unflatten(jax.tree.structure(tree), leaves)
 
 
-def _send(chan: Channel, k: int, traj, gfpo: list, info: dict):
-  """Offer step batch ``k``'s arrays (one local device) and write its metadata."""
-  arrays = []
+def _send(chan: Channel, item: sources.StepItem, gfpo: list, info: dict):
+  """Offer step batch ``item.k``'s arrays (one local device) and write its metadata."""
+  traj, arrays = item.traj, []
   for name, batch in traj.batches.items():
     arrays += [(f"{name}/{f}", np.asarray(getattr(batch, f)))
                for f in PolicyBatch.__dataclass_fields__]
     arrays.append((f"versions/{name}", np.asarray(traj.versions[name], np.int32)))
   arrays += [(f"gfpo/{i}", x) for i, x in enumerate(gfpo)]
   dev = jax.local_devices()[0]
-  chan.offer(k, [jax.device_put(a, dev) for _, a in arrays])
-  _put_json(f"b/{jax.process_index()}/{k}", dict(
+  chan.offer(item.k, [jax.device_put(a, dev) for _, a in arrays])
+  _put_json(f"b/{jax.process_index()}/{item.k}", dict(
       info, arrays=[(n, a.shape, str(a.dtype)) for n, a in arrays],
       batches=sorted(traj.batches), gfpo=len(gfpo), metrics=traj.metrics,
-      examples=traj.examples))
+      examples=traj.examples, data_state=item.data_state, admit_version=item.admit_version))

@@ -241,11 +241,39 @@ def rollout_step(ctx: RolloutContext, params, examples: list, key, *,
   """The rounds and the batches of the update's terms, as a :class:`Trajectory`.
   ``params``: a param pytree, or a :class:`~fbos_jax.engine.ParamsSource` (the
   policy and its version, read by the samplers)."""
-  spec = ctx.spec
-  k1, k2 = jax.random.split(key)
   t0 = time.perf_counter()
-  ctx.engine_stats = _new_engine_stats(ctx)
-  r1, r2, m = _rounds(ctx, params, examples, k1, k2)
+  ctx.engine_stats = new_engine_stats(ctx)
+  spec = ctx.spec
+  if spec.round2 and spec.stream_rounds:
+    r1, r2, vs1, vs2 = stream.streamed_rounds(ctx, params, examples, key)
+    m = {"time/rounds_s": time.perf_counter() - t0}
+  else:
+    k1, k2 = jax.random.split(key)
+    r1 = round1(ctx, params, examples, k1)
+    t1 = time.perf_counter()
+    vs1 = verify(ctx, r1, examples)
+    m = {"time/sample1_s": t1 - t0, "time/verify_s": time.perf_counter() - t1}
+    r2 = vs2 = None
+    if spec.round2:
+      t2 = time.perf_counter()
+      r2 = round2(ctx, params, examples, r1, k2)
+      vs2 = verify(ctx, r2, examples)
+      m["time/round2_s"] = time.perf_counter() - t2
+  return trajectory(ctx, examples, r1, r2, vs1, vs2, m, gfpo_state, t0)
+
+
+def trajectory(ctx: RolloutContext, examples: list, r1: Rollouts, r2: Optional[Rollouts],
+               vs1: dict, vs2: Optional[dict], m: dict, gfpo_state, t0: float) -> Trajectory:
+  """A step's :class:`Trajectory` from its verified rounds (``vs1`` / ``vs2``: the
+  pool's stats of each; ``m``: the step's timings so far; ``t0``: when it began):
+  GFPO, the batches of the update's terms, the metrics."""
+  spec = ctx.spec
+  if "rollout/round2_rows_beside_round1" in (vs2 or {}):
+    m["rollout/round2_rows_beside_round1"] = vs2.pop("rollout/round2_rows_beside_round1")
+  m.update(round1_metrics(r1, ctx.threshold), **verifier_metrics(vs1, "round1"))
+  if r2 is not None:
+    m.update(verifier_metrics(vs2, "round2"))
+    m.update(round2_metrics(r1, r2, ctx.threshold))
   if spec.gfpo:
     gfpo_state, gm = gfpo_select(ctx, r1, gfpo_state)
     m.update(gm)
@@ -263,34 +291,7 @@ def rollout_step(ctx: RolloutContext, params, examples: list, key, *,
   return Trajectory(batches, versions, m, gfpo_state, list(examples))
 
 
-def _rounds(ctx: RolloutContext, params, examples: list, k1, k2) -> tuple:
-  """Round 1, verify, round 2 (when the spec has one), verify: behind a barrier,
-  or streamed into one engine run (``rl.stream_rounds``, fbos_jax/rl/stream.py).
-  Returns (r1, r2 or None, metrics)."""
-  spec, t0 = ctx.spec, time.perf_counter()
-  r2 = vs2 = None
-  if spec.round2 and spec.stream_rounds:
-    r1, r2, vs1, vs2 = stream.streamed_rounds(ctx, params, examples, k1, k2)
-    m = {"time/rounds_s": time.perf_counter() - t0,
-         "rollout/round2_rows_beside_round1": vs2.pop("rollout/round2_rows_beside_round1")}
-  else:
-    r1 = round1(ctx, params, examples, k1)
-    t1 = time.perf_counter()
-    vs1 = verify(ctx, r1, examples)
-    m = {"time/sample1_s": t1 - t0, "time/verify_s": time.perf_counter() - t1}
-    if spec.round2:
-      t2 = time.perf_counter()
-      r2 = round2(ctx, params, examples, r1, k2)
-      vs2 = verify(ctx, r2, examples)
-      m["time/round2_s"] = time.perf_counter() - t2
-  m.update(round1_metrics(r1, ctx.threshold), **verifier_metrics(vs1, "round1"))
-  if r2 is not None:
-    m.update(verifier_metrics(vs2, "round2"))
-    m.update(round2_metrics(r1, r2, ctx.threshold))
-  return r1, r2, m
-
-
-def _new_engine_stats(ctx: RolloutContext):
+def new_engine_stats(ctx: RolloutContext):
   if ctx.parts.sampling.engine != "continuous":
     return None
   from fbos_jax.engine import EngineStats

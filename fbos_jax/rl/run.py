@@ -38,11 +38,9 @@ def train_and_summarise(config, workdir: str, *, init_from_hf: str = "", plot: b
   sides = split_lib.process_sides(config)
   if sides and jax.process_index() in sides[1].processes:  # a rollout process of a split
     from fbos_jax.rl import remote
-    distributed.start_watchdog()
     remote.run_rollout(config, workdir, sides)
     distributed.finish()
     return None, {}
-  distributed.start_watchdog()
   trainer = RLTrainer(config, workdir, allow_config_change=allow_config_change)
   params = None
   if config.model.hf_path:  # straight into the mesh's shardings, in model.param_dtype

@@ -142,7 +142,7 @@ class Busy:
     with self._lock:
       now = time.perf_counter()
       if busy:
-        self._since = now
+        self._since = self._since or now
       elif self._since is not None:
         self._total, self._since = self._total + now - self._since, None
 
@@ -288,6 +288,14 @@ class RolloutWorker(threading.Thread):
   def run(self):
     try:
       b = self.ctx.spec.prompts_per_step
+      if self.ctx.parts.sampling.engine == "continuous":  # AReaL's streaming: never drains
+        admit = lambda k, in_flight: (admitted(k, self.store.current()[1], b, self.eta)
+                                      and len(self.buffer) + in_flight < self.buffer.capacity)
+        self.gfpo = stream_steps(self.ctx, self.store, self.iterator, rng=self.rng, gfpo=self.gfpo,
+                                 start=self.start_k, stop=self.stop_k, admit=admit,
+                                 put=self.buffer.put, stopping=self.stopping.is_set,
+                                 busy=self.busy_s)
+        return
       for k in range(self.start_k, self.stop_k):
         ok = self.store.wait(lambda v, k=k: admitted(k, v, b, self.eta), self.stopping)
         if not ok or not self.buffer.wait_room(self.stopping):
@@ -305,6 +313,55 @@ class RolloutWorker(threading.Thread):
         self.buffer.put(StepItem(k, traj, data_state, admit))
     except BaseException as e:  # noqa: BLE001  (reaches the trainer at its next take)
       self.buffer.fail(e)
+
+
+def stream_steps(ctx, policy, iterator, *, rng, gfpo, start: int, stop: int, admit, put,
+                 stopping=None, busy: Optional[Busy] = None):
+  """Step batches ``start .. stop - 1`` through one continuous-engine run
+  (:class:`fbos_jax.rl.stream.StepStream`): step k's prompts join the queue once
+  ``admit(k, steps in flight)`` allows, into the slots the earlier steps free
+  (generation never drains between steps); each finished step, in order, goes to
+  ``put`` as a :class:`StepItem` (GFPO applied in step order). ``policy``: the
+  ParamsSource the engine reads between windows; ``busy`` runs while a step is
+  in flight. Returns the GFPO state after the last step. Engine metrics
+  (``rollout/slot_util``, ...) are over the run so far."""
+  from fbos_jax.rl import stream
+  ctx.engine_stats = rollout_lib.new_engine_stats(ctx)
+  state = {"gfpo": gfpo}
+
+  def begin(k):
+    if busy is not None:
+      busy.mark(True)
+    examples = next(iterator)
+    step = stream._Step(ctx, k, examples, state_lib.stream_key(rng, "sample", k),
+                        _iter_state(iterator))
+    step.admit_version = policy.current()[1]
+    return step
+
+  def finish(step):
+    r1, r2, vs1, vs2 = step.result()
+    m = {"time/rounds_s": time.perf_counter() - step.t0, "rollout/steps_beside": step.beside}
+    traj = rollout_lib.trajectory(ctx, step.examples, r1, r2, vs1, vs2, m, state["gfpo"],
+                                  step.t0)
+    state["gfpo"] = _host(traj.gfpo)
+    put(StepItem(step.k, traj, step.data_state, step.admit_version))
+
+  def admit_and_mark(k, in_flight):
+    ok = admit(k, in_flight)
+    if busy is not None and not ok and not in_flight:
+      busy.mark(False)
+    return ok
+
+  feed = stream.StepStream(ctx, start, stop, begin=begin, admit=admit_and_mark, on_step=finish,
+                           stopping=stopping)
+  try:
+    feed.run(policy)
+  except stream.StreamStopped:
+    pass
+  finally:
+    if busy is not None:
+      busy.mark(False)
+  return state["gfpo"]
 
 
 class ThreadSource:

@@ -147,52 +147,69 @@ def hbm_bytes(mesh) -> int:
   return int((stats or {}).get("bytes_limit", 0))
 
 
+def _by_process(devices) -> dict:
+  local: dict = {}
+  for d in sorted(devices, key=lambda d: (d.process_index, d.id)):
+    local.setdefault(d.process_index, []).append(d)
+  return local
+
+
+def side_processes(devices, rollout_devices: int, what: str = "") -> tuple:
+  """(trainer processes, rollout processes) of a whole-process split of
+  ``devices`` (several processes): the first half trains, the second rolls out.
+  Raises :class:`AsyncConfigError` naming ``rl.rollout_devices`` and the counts
+  unless each side gets whole processes, as many on each (pairs)."""
+  local = _by_process(devices)
+  procs, n, per = len(local), int(rollout_devices), len(next(iter(local.values())))
+  if n % per or 2 * (n // per) != procs:
+    raise AsyncConfigError(
+        f"rl.rollout_devices={n} with {procs} processes of {per} devices{what}: a split over "
+        f"several processes gives each side whole processes, as many on each (pairs of a "
+        f"trainer and a rollout process), so rl.rollout_devices must be {procs * per // 2}")
+  order = sorted(local)
+  return tuple(order[:procs // 2]), tuple(order[procs // 2:])
+
+
 def process_sides(config, devices=None) -> Optional[tuple]:
   """(trainer Side, rollout Side) of a whole-process split, or None (one process,
   or no split). Several processes with ``rl.max_staleness > 0`` need one: a
   rollout thread beside the trainer in every process would interleave the two
-  sides' collective programs. Raises :class:`AsyncConfigError` naming the fields
-  and the counts when the split does not give each side whole processes, as
-  many on each side."""
+  sides' collective programs."""
   acfg = config_lib.async_config(config)
   devices = list(devices if devices is not None else jax.devices())
-  local: dict = {}
-  for d in devices:
-    local.setdefault(d.process_index, []).append(d)
-  procs, n = len(local), int(acfg.rollout_devices)
+  procs = len(_by_process(devices))
   if procs == 1 or not acfg.enabled:
     return None
-  per = len(next(iter(local.values())))
-  if not n:
+  if not acfg.rollout_devices:
     raise AsyncConfigError(
         f"rl.max_staleness={acfg.max_staleness} with {procs} processes needs "
         "rl.rollout_devices: the rollout then runs in processes of its own (a rollout thread "
         "beside the trainer in every process would interleave both sides' programs)")
-  if n % per or not 0 < n // per < procs or 2 * (n // per) != procs:
-    raise AsyncConfigError(
-        f"rl.rollout_devices={n} with {procs} processes of {per} devices: a split over "
-        f"several processes gives each side whole processes, as many on each (pairs of a "
-        f"trainer and a rollout process), so rl.rollout_devices must be {procs * per // 2}")
-  trainer = distributed.Side("trainer", tuple(sorted(local)[:procs // 2]))
-  rollout = distributed.Side("rollout", tuple(sorted(local)[procs // 2:]))
+  trainer, rollout = side_processes(devices, acfg.rollout_devices)
+  return distributed.Side("trainer", trainer), distributed.Side("rollout", rollout)
+
+
+def split_of(devices, rollout_devices: int, mesh_cfg, rollout_cfg) -> tuple[list, list]:
+  """(trainer devices, rollout devices) as a run splits ``devices``: in one
+  process :func:`split_devices`; over several, whole processes per side."""
+  local = _by_process(devices)
+  if len(local) == 1:
+    return split_devices(devices, rollout_devices, mesh_cfg, rollout_cfg)
+  trainer_p, rollout_p = side_processes(devices, rollout_devices)
+  trainer = [d for p in trainer_p for d in local[p]]
+  rollout = [d for p in rollout_p for d in local[p]]
+  _check_fit(rollout_devices, len(devices), rollout, trainer, mesh_cfg, rollout_cfg)
   return trainer, rollout
 
 
 def build_meshes(config, devices=None) -> tuple:
-  """(trainer mesh, rollout mesh, colocated) of ``config``: one mesh, the split of
-  ``rl.rollout_devices`` in one process (:func:`split_devices`), or the meshes of
-  the two sides of a process split (each over its processes' devices)."""
+  """(trainer mesh, rollout mesh, colocated) of ``config``: one mesh, or the two
+  meshes of ``rl.rollout_devices`` (:func:`split_of`)."""
   acfg = config_lib.async_config(config)
   devices = list(devices if devices is not None else jax.devices())
   if not acfg.rollout_devices:
     mesh = sh.make_mesh(config.mesh, devices)
     return mesh, mesh, True
   rollout_cfg = rollout_mesh_config(config.mesh, acfg.rollout_mesh)
-  sides = process_sides(config, devices)
-  if sides is None:
-    trainer, rollout = split_devices(devices, acfg.rollout_devices, config.mesh, rollout_cfg)
-  else:
-    trainer = [d for d in devices if d.process_index in sides[0].processes]
-    rollout = [d for d in devices if d.process_index in sides[1].processes]
-    _check_fit(acfg.rollout_devices, len(devices), rollout, trainer, config.mesh, rollout_cfg)
+  trainer, rollout = split_of(devices, acfg.rollout_devices, config.mesh, rollout_cfg)
   return sh.make_mesh(config.mesh, trainer), sh.make_mesh(rollout_cfg, rollout), False

@@ -44,6 +44,14 @@ def small_config(spec: str, **overrides):
   return c
 
 
+def free_port() -> int:
+  """A TCP port nobody listens on now (a coordinator for a multi-process test)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 def one_device_mesh():
   """A mesh over the first device only (the default axes, all of size 1)."""
   from fbos_jax import sharding as sh
