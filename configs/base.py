@@ -27,17 +27,24 @@ from fbos_jax import templates as templates_lib
 
 # ------------------------------------------------------------------ the variant table
 # Per variant: the model (field names of fbos_jax/model/qwen.py:ModelConfig; HF
-# checkpoints overwrite the architecture from config.json with --init_from_hf),
+# checkpoints overwrite the architecture from config.json with --init_from_hf;
+# model.param_dtype is the trained master copy, float32 in every variant, and the
+# forward pass runs in model.compute_dtype: a bfloat16 master rounds away most
+# Adam steps at lr 1e-6, fbos_jax/rl/state.py:ComputeCopy),
 # the mesh (sizes of dcn x data x fsdp x tensor; -1 takes the remaining devices)
 # and the run sizes (dotted field -> value, applied over the defaults below).
 
 _QWEN3_8B = dict(model_type="qwen3", vocab_size=151_936, hidden_size=4096,
                  intermediate_size=12_288, num_layers=36, num_heads=32, num_kv_heads=8,
                  head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_embeddings=False,
-                 param_dtype="bfloat16", compute_dtype="bfloat16", remat="full")
+                 param_dtype="float32", compute_dtype="bfloat16", remat="full")
 _LARGE_RUN = {
     "data.source": "jsonl", "data.verifier": "math", "templates.style": "verbose",
     "templates.max_prompt_tokens": 4096, "optim.learning_rate": 1e-6,
+    # one update program per pair of prompt buckets, not one per row bucket too: the
+    # run compiles every program before step 1 (fbos_jax/compile_set.py), and each
+    # is a whole-model program (--dry_run prints the count and the compile time)
+    "rl.fixed_row_buckets": True,
 }
 
 _TINY_MODEL = dict(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=384,
@@ -124,7 +131,13 @@ _TINY_CHAIN_RUN = {
     # its feedback -> the solution), until the model finds its operands and gets
     # about two results in three right; then a stage of mostly corrections of its
     # own failures, at a lower learning rate, so it reads the feedback it will get.
-    "sft.steps": 800,  # the stages' total (what launch/train.py prints)
+    # RL at 1e-5, not the sort task's 1e-4 (issue 33): binary rewards, half the groups
+    # all-equal and 128 rollouts a step make the gradient mostly noise, and Adam moves
+    # every weight by about the rate whatever the signal; at 1e-4 every arm first fell
+    # from greedy 0.41 to ~0.25 and spent its budget climbing back. The check that no
+    # arm falls > 0.03 in its first 2,000 rollouts: docs/results/verdict_rule.md.
+    "optim.learning_rate": 1e-5,
+    "sft.steps": 800,  # the stages' total (validate checks it equals their sum)
     "sft.stages": (
         {"name": "demos", "steps": 700, "learning_rate": 3e-3, "warmup_steps": 20,
          "fap_fraction": 0.25, "corrections": "corrupt"},
@@ -164,7 +177,7 @@ VARIANTS = {
         model=dict(model_type="qwen3", vocab_size=151_936, hidden_size=1024,
                    intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8,
                    head_dim=128, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                   tie_embeddings=True, param_dtype="bfloat16", compute_dtype="bfloat16",
+                   tie_embeddings=True, param_dtype="float32", compute_dtype="bfloat16",
                    remat="dots_no_batch"),
         mesh=dict(dcn=1, data=1, fsdp=-1, tensor=1),
         run=dict(_LARGE_RUN, **{
@@ -178,6 +191,7 @@ VARIANTS = {
             # program, round 2's prefill into a 7.47 GiB page pool, peaks at 8.27 GiB (52%)
             # (--dry_run --topology=v5e:2x4)
             "sampling.engine": "continuous",
+            "engine.bucket_growth": 0,  # one bucket per engine dimension (as qwen_8b)
         })),
     # Qwen/Qwen3-8B (untied embeddings, 8,190,735,360 parameters) on a v5p pod
     # slice: FSDP over the slice, 4-way tensor parallel inside a host.
@@ -190,6 +204,11 @@ VARIANTS = {
             # (--dry_run --topology=v5p:2x4x4; roofline: step >= 25.1 s vs 27.9 s static)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
+            # one bucket per engine dimension (rows, page-table width, prefill chunk):
+            # a memory-bound TPU decode step costs about the same at any row count and
+            # the Pallas kernel reads only the pages in use, so padding is nearly free,
+            # and the compile set is a few dozen programs, not hundreds (--dry_run)
+            "engine.bucket_growth": 0,
             # split for the asynchronous loop (rl.rollout_devices=16 of 32: 4 whole hosts
             # per side): the rollout mesh's axes (the engine needs its batch shards to
             # divide over the side's 4 hosts)
@@ -215,6 +234,11 @@ VARIANTS = {
             # 293 s static, under the assumed response lengths it prints)
             "sampling.engine": "continuous",
             "engine.slots": 512, "engine.staged": 0,
+            # one bucket per engine dimension (rows, page-table width, prefill chunk):
+            # a memory-bound TPU decode step costs about the same at any row count and
+            # the Pallas kernel reads only the pages in use, so padding is nearly free,
+            # and the compile set is a few dozen programs, not hundreds (--dry_run)
+            "engine.bucket_growth": 0,
             "rl.rollout_mesh.tensor": 2,  # as qwen_8b's (split: 4 whole hosts per side)
         })),
     # The real-user path at CPU size: a Qwen3 checkpoint directory (the real-shape
@@ -226,7 +250,7 @@ VARIANTS = {
         model=dict(model_type="qwen3", vocab_size=151_936, hidden_size=256, intermediate_size=768,
                    num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128,
                    rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_embeddings=True,
-                   param_dtype="bfloat16", compute_dtype="bfloat16", remat="none"),
+                   param_dtype="float32", compute_dtype="bfloat16", remat="none"),
         mesh=dict(dcn=1, data=-1, fsdp=1, tensor=1),
         run={
             "data.source": "jsonl", "data.verifier": "math",
@@ -242,6 +266,7 @@ VARIANTS = {
             "sampling.batch_buckets": (4, 8, 16),
             "rl.prompts_per_step": 4, "rl.group_size": 4, "rl.round2_size": 4,
             "rl.epa_max_per_prompt": 4,
+            "rl.fixed_row_buckets": True,  # a small compile set (fbos_jax/compile_set.py)
             "optim.learning_rate": 1e-5, "optim.warmup_steps": 0,
             "train.steps": 3, "train.eval_every": 3, "train.eval_prompts": 8,
             "train.checkpoint_every": 3,
@@ -255,7 +280,14 @@ VARIANTS = {
     # h100:2x8 (XLA's GPU compiler is not installed where the plans were made).
     "qwen_8b_h100": dict(
         model=_QWEN3_8B, mesh=dict(dcn=-1, data=1, fsdp=1, tensor=8),
-        run=dict(_LARGE_RUN, **{"rl.micro_batches": 32})),
+        run=dict(_LARGE_RUN, **{
+            "rl.micro_batches": 32,
+            # round 2's 512 FAP rows in calls of at most 256 prompts: all 512 at once
+            # compiled to 52.7 GiB with a bf16 master, and the float32 master and Adam's
+            # moments held beside it (12.3 GB per GPU) would pass 75% of an H100. An
+            # estimate: not yet compiled (--dry_run --topology=h100:2x8)
+            "sampling.batch_buckets": (8, 16, 32, 64, 128, 256),
+        })),
 }
 
 # Flavors every algorithm file accepts (``:tiny,decoupled``).
@@ -402,6 +434,11 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.optim.weight_decay = 0.01
   c.optim.grad_clip = 1.0
   c.optim.opt_state_dtype = "float32"  # Adam's moments (SFT and RL), whatever the params' dtype
+  # True: train a master (model.param_dtype) of fewer than float32's bits as is. A
+  # bfloat16 master keeps 8 significant bits, so an Adam step of about lr rounds away
+  # on every weight above ~256 x lr (at lr 1e-6, ~98% of N(0, 0.02) weights); refused
+  # at build unless this is set (update/param_change_frac shows what a step changed)
+  c.optim.allow_low_precision_params = False
 
   c.train = mlc.ConfigDict()
   c.train.steps = 200
@@ -413,10 +450,19 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.train.keep_checkpoints = 3
   c.train.warm_start = ""  # "" | "sft" (train configs/sft.py first, cached in the workdir)
   c.train.progress = True
+  # compile every program the run can call before step 1 (fbos_jax/compile_set.py;
+  # a compile after it is counted in compile/after_start and warned about)
+  c.train.compile_at_start = True
   # >0: every this many steps, the feedback-reading probe on the step's prompts
   # (fbos_jax/rl/probe.py: log p(gold | FAP) vs log p(gold | q), fix vs resample rates and
   # the controls, logged as probe/*); it samples ~4x the failed rollouts again
   c.train.probe_every = 0
+
+  c.export = mlc.ConfigDict()
+  # the dtype launch/export_hf.py writes: "" = the source checkpoint's (config.json's
+  # dtype / torch_dtype of model.hf_path or --init_from_hf), bfloat16 without one; the
+  # run's float32 master is rounded to it once, at export
+  c.export.dtype = ""
 
   c.sft = mlc.ConfigDict()
   c.sft.steps = 0
@@ -435,7 +481,8 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   # (e.g. its own steps, learning_rate, fap_fraction, corrections), each from the
   # previous stage's params with a fresh optimizer; every stage is cached, so a
   # stopped warm start resumes at the first stage not done (fbos_jax/rl/sft.py).
-  # () = one stage: the fields above.
+  # () = one stage: the fields above. With stages, sft.steps is their total, and a
+  # --config.sft.X override of a field a stage sets is refused (the stage ignores it).
   c.sft.stages = ()
   return c
 

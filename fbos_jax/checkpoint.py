@@ -30,6 +30,7 @@ import base64
 import json
 import os
 import shutil
+import sys
 import time
 from typing import Any, Optional
 
@@ -146,6 +147,40 @@ def check_resume_config(saved: Optional[dict], current: dict, *, allow: bool,
   return diffs
 
 
+def _quiet_orphaned_writes():
+  """When a save fails: orbax runs the save's writes on an event loop that closes
+  at the first failure, and TensorStore completes the rest later, each completion
+  an unraisable ``RuntimeError: Event loop is closed`` raised in asyncio's
+  ``call_soon_threadsafe`` (six lines of traceback each, hundreds in a run).
+  Those are logged at debug level instead; every other unraisable exception is
+  reported as before. Installed once, by the first Checkpointer (the first such
+  completion can come before the failure reaches the Checkpointer)."""
+  previous = sys.unraisablehook
+  if getattr(previous, "_fbos_orphaned_writes", False):
+    return
+
+  def hook(unraisable):
+    e, tb = unraisable.exc_value, unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+      tb = tb.tb_next
+    if (isinstance(e, RuntimeError) and str(e) == "Event loop is closed" and tb is not None
+        and tb.tb_frame.f_code.co_name == "_check_closed"):
+      logging.debug("a write of the failed checkpoint save completed after its event loop "
+                    "closed")
+      return
+    previous(unraisable)
+
+  hook._fbos_orphaned_writes = True
+  sys.unraisablehook = hook
+
+
+def _cause(e: BaseException, limit: int = 300) -> str:
+  """``Type: message`` on one line, cut to ``limit`` characters (a TensorStore error
+  can run to a hundred lines)."""
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:limit]}{' ...' if len(text) > limit else ''}"
+
+
 def _to_jsonable(x):
   if isinstance(x, bytes):
     return {"__bytes__": base64.b64encode(x).decode("ascii")}
@@ -212,6 +247,7 @@ class Checkpointer:
         item_names=("state", "data", "meta"),
     )
     self.restored_step: Optional[int] = None
+    _quiet_orphaned_writes()
     self._save_error: Optional[CheckpointSaveError] = None
     self._pending_step: Optional[int] = None  # the step of the last save started
 
@@ -233,8 +269,12 @@ class Checkpointer:
 
   def _raise_save_error(self, exc: BaseException, step: Optional[int]) -> None:
     where = f"{self.directory}/{step}" if step is not None else self.directory
-    try:  # let orbax finish cleaning up now, so it prints nothing after this
-      self.manager.wait_until_finished()
+    try:  # let orbax finish cleaning up and shut its threads down now, so it prints
+      self.manager.wait_until_finished()  # nothing after this
+    except BaseException:  # pylint: disable=broad-except
+      pass
+    try:
+      self.manager.close()
     except BaseException:  # pylint: disable=broad-except
       pass
     err = CheckpointSaveError(
@@ -305,29 +345,35 @@ class Checkpointer:
     newer ones are skipped with a warning and moved aside (see the module
     doc). A model-config mismatch (``CheckpointMismatchError``) is raised at
     once. ``CheckpointRestoreError`` when none can be read."""
-    steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [step]
+    s, out, failures = self._newest_readable(
+        step, lambda s: self._restore_step(s, abstract_state, expected_meta))
+    self.restored_step = s
+    if failures:
+      self._move_aside([f for f, _ in failures])
+      logging.warning("restored checkpoint %s instead of the newest, unreadable %s",
+                      self._step_dir(s), ", ".join(self._step_dir(f) for f, _ in failures))
+    return out
+
+  def _newest_readable(self, step: Optional[int], read) -> tuple:
+    """(step, ``read(step)``, failures) of the newest checkpoint that ``read``
+    restores (``step`` given: that one only); each unreadable one is warned about
+    and listed in failures as (step, error). A ``CheckpointMismatchError`` is
+    raised at once; none readable raises ``CheckpointRestoreError`` naming each
+    step tried and its cause (one line)."""
+    steps = sorted(self.manager.all_steps(), reverse=True) if step is None else [int(step)]
     if not steps:
       raise FileNotFoundError(f"No checkpoint in {self.directory}")
     failures = []
     for s in steps:
       try:
-        out = self._restore_step(s, abstract_state, expected_meta)
+        return s, read(s), failures
       except CheckpointMismatchError:
         raise
       except Exception as e:  # pylint: disable=broad-except
         failures.append((s, e))
-        logging.warning("checkpoint %s is unreadable (%s: %s)%s", self._step_dir(s),
-                        type(e).__name__, str(e)[:500],
+        logging.warning("checkpoint %s is unreadable (%s)%s", self._step_dir(s), _cause(e),
                         "; trying the previous one" if s != steps[-1] else "")
-        continue
-      self.restored_step = s
-      if failures:
-        self._move_aside([f for f, _ in failures])
-        logging.warning("restored checkpoint %s instead of the newest, unreadable %s",
-                        self._step_dir(s), ", ".join(self._step_dir(f) for f, _ in failures))
-      return out
-    listed = "; ".join(f"{self._step_dir(s)}: {type(e).__name__}: {str(e)[:300]}"
-                       for s, e in failures)
+    listed = "; ".join(f"{self._step_dir(s)}: {_cause(e)}" for s, e in failures)
     raise CheckpointRestoreError(f"no checkpoint could be restored ({listed})") from failures[0][1]
 
   def _step_dir(self, step: int) -> str:
@@ -366,14 +412,32 @@ class Checkpointer:
 
   def restore_params(self, step: Optional[int], abstract_params: Any,
                      expected_meta: Optional[dict] = None):
-    """Only the params of checkpoint ``step`` (newest if None), into
+    """Only the params of checkpoint ``step`` (newest readable if None), into
     ``abstract_params`` (ShapeDtypeStructs with the target shardings): what
     eval and export need, whatever the rest of the state's layout (KL
     reference, optimizer) was. A model-config mismatch names the field and
-    both values. Returns (params, step, meta)."""
-    step = self.latest_step() if step is None else int(step)
-    if step is None:
-      raise FileNotFoundError(f"No checkpoint in {self.directory}")
+    both values. Returns (params, step, meta).
+
+    Like training's :meth:`restore`, ``step=None`` falls back to the newest
+    checkpoint that reads, with a warning naming the unreadable ones (nothing is
+    moved: eval and export only read). An unreadable ``step`` asked for, or none
+    readable, raises ``CheckpointRestoreError`` naming each step tried (the
+    cause cut to one line) and the ``--step`` values that are there."""
+    try:
+      s, out, failures = self._newest_readable(
+          step, lambda s: self._restore_params_step(s, abstract_params, expected_meta))
+    except CheckpointRestoreError as e:
+      raise CheckpointRestoreError(
+          f"{e}; the checkpoints there are steps {sorted(self.manager.all_steps())}: choose a "
+          "readable one with --step=N") from e.__cause__
+    if failures:
+      logging.warning("restored the params of checkpoint %s instead of the newest, "
+                      "unreadable %s (choose one with --step)", self._step_dir(s),
+                      ", ".join(self._step_dir(f) for f, _ in failures))
+    return out
+
+  def _restore_params_step(self, step: int, abstract_params: Any,
+                           expected_meta: Optional[dict]):
     meta = _from_jsonable(self.manager.restore(
         step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     if expected_meta is not None:

@@ -97,3 +97,48 @@ def setup_console_from_flags():
   from fbos_jax import console  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   console.setup_logging(f.workdir, verbosity=f.console_verbosity)
+
+
+def fail(e: BaseException, code: int = 1):
+  """Exit with ``e`` as one line (``Type: message``), no traceback and no usage text:
+  for errors whose message says what to do (an unreadable checkpoint and ``--step``)."""
+  sys.stderr.write(f"{type(e).__name__}: {e}\n")
+  sys.exit(code)
+
+
+def stops_with_threads_behind(e: BaseException) -> bool:
+  """Whether ``e`` ends a run that leaves background writers behind: a failed
+  checkpoint save (``CheckpointSaveError``) or a full disk anywhere (ENOSPC in
+  its chain of causes)."""
+  import errno  # pylint: disable=g-import-not-at-top
+  seen = e
+  while seen is not None:
+    if type(seen).__name__ == "CheckpointSaveError" or (
+        isinstance(seen, OSError) and seen.errno == errno.ENOSPC):
+      return True
+    seen = seen.__cause__ or seen.__context__
+  return False
+
+
+def exit_with_cause(e: BaseException, code: int = 1):
+  """End the process after ``e`` with its cause as the last line of the output.
+
+  The traceback goes to stderr and ``log.txt`` (whatever of it a full disk takes),
+  the logs are flushed, and the process exits at once (``os._exit``): the
+  interpreter's shutdown would otherwise finalize what a failed save left behind
+  (orbax's unfinished write coroutines, tensorboardX's flush onto the full disk)
+  and print their errors after the cause. The checkpoint manager has shut its
+  threads down already (``fbos_jax/checkpoint.py``)."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import traceback  # pylint: disable=g-import-not-at-top
+  text = "".join(traceback.format_exception(e))
+  from fbos_jax import console  # pylint: disable=g-import-not-at-top
+  console.write_to_log_file(text)
+  logging.shutdown()  # flush (a failing flush is ignored)
+  try:
+    sys.stdout.flush()
+  except OSError:
+    pass
+  sys.stderr.write(text)
+  sys.stderr.flush()
+  os._exit(code)

@@ -70,6 +70,24 @@ def _console_handlers(root: logging.Logger) -> list[logging.Handler]:
   return out
 
 
+class _LogFile(logging.FileHandler):
+  """``log.txt``: a write that fails with an OSError (a full disk) ends the file log
+  with one line on stderr, instead of a "--- Logging error ---" traceback for every
+  record after it (thousands of lines, burying the run's real error)."""
+
+  failed = False
+
+  def handleError(self, record):
+    e = sys.exc_info()[1]
+    if not isinstance(e, OSError):
+      return super().handleError(record)
+    if not self.failed:
+      self.failed = True
+      self.setLevel(logging.CRITICAL + 1)
+      sys.stderr.write(f"{self.baseFilename} can no longer be written ({type(e).__name__}: "
+                       f"{e}); the log goes to the console only from here\n")
+
+
 def setup_logging(workdir: str, *, verbosity: Union[str, int] = "warning",
                   console_stream: Optional[IO[str]] = None,
                   filename: str = LOG_FILE) -> str:
@@ -96,7 +114,7 @@ def setup_logging(workdir: str, *, verbosity: Union[str, int] = "warning",
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, filename)
   root = logging.getLogger()
-  file_handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+  file_handler = _LogFile(path, mode="a", encoding="utf-8")
   file_handler.setLevel(file_level)
   file_handler.setFormatter(logging.Formatter(
       "%(asctime)s %(levelname).1s %(name)s %(filename)s:%(lineno)d] %(message)s"))
@@ -131,6 +149,18 @@ def setup_logging(workdir: str, *, verbosity: Union[str, int] = "warning",
 def _set_level(handler: logging.Handler, level: int) -> None:
   _saved_levels.setdefault(handler, handler.level)
   handler.setLevel(level)
+
+
+def write_to_log_file(text: str) -> None:
+  """Append ``text`` to the log file(s) of :func:`setup_logging` as is (a traceback
+  the process prints on its way out); a write that fails (a full disk) is skipped."""
+  for h in logging.getLogger().handlers:
+    if getattr(h, _MARK, None) == "file" and not getattr(h, "failed", False):
+      try:
+        h.stream.write(text)
+        h.flush()
+      except (AttributeError, OSError, ValueError):
+        pass
 
 
 def flush() -> None:

@@ -866,7 +866,8 @@ def make_prompt_iterator(
 
 
 def held_out_examples(data_config, num_prompts: int, *, process_index: int = 0,
-                      process_count: int = 1, tokenizer=None, templates_config=None) -> list:
+                      process_count: int = 1, tokenizer=None, templates_config=None,
+                      skip: int = 0) -> list:
   """This host's share of the fixed held-out set (the eval split, unshuffled):
   ``num_prompts`` (``train.eval_prompts``) examples in all. With ``tokenizer``
   (and ``templates_config``) its records get the load-time text checks of
@@ -876,7 +877,11 @@ def held_out_examples(data_config, num_prompts: int, *, process_index: int = 0,
   drawing by index repeats the problems of a small part of the space (the 1-digit
   sums' eval split has 9 problems, which made up 116 of 256 draws), and one
   problem counted dozens of times swamps the accuracy. Every host builds the same
-  list and takes an equal slice of it."""
+  list and takes an equal slice of it.
+
+  ``skip`` > 0 (procedural tasks): the next ``num_prompts`` distinct problems of
+  the eval split after its first ``skip``, none of them in the set of ``skip``
+  (a validation split beside the test set: ``skip=train.eval_prompts``)."""
   n = int(num_prompts)
   if n <= 0:
     return []
@@ -886,19 +891,23 @@ def held_out_examples(data_config, num_prompts: int, *, process_index: int = 0,
   dc.shuffle = False
   dc.num_epochs = 1
   dc.drop_remainder = False  # a held-out split smaller than the batch is still used
+  if skip and dc.source != "procedural":
+    raise ValueError(f"a validation split (skip={skip}) of data.source={dc.source!r}: only "
+                     "procedural tasks have one (their eval split is open-ended)")
   if dc.source == "procedural":
-    dc.num_examples = 8 * n
+    want = n + int(skip)
+    dc.num_examples = 8 * want
     unique: dict = {}
     for batch in make_prompt_iterator(dc, batch_size=n, process_index=0, process_count=1,
                                       tokenizer=tokenizer, templates_config=templates_config):
       for ex in batch:
         unique.setdefault(ex["prompt"], ex)
-      if len(unique) >= n:
+      if len(unique) >= want:
         break
-    examples = list(unique.values())[:n]
+    examples = list(unique.values())[skip:want]
     if len(examples) < n:
-      logging.warning("held-out set: %d distinct problems (train.eval_prompts=%d); the "
-                      "task's eval split is smaller", len(examples), n)
+      logging.warning("held-out set: %d distinct problems (train.eval_prompts=%d, skip=%d); "
+                      "the task's eval split is smaller", len(examples), n, skip)
     share = len(examples) // process_count
     return examples[process_index * share:(process_index + 1) * share]
   it = make_prompt_iterator(dc, batch_size=max(n // process_count, 1),

@@ -16,13 +16,16 @@ import optax
 SCHEDULES = ("constant", "cosine")
 
 
-@functools.lru_cache(maxsize=None)
-def make_optimizer(optim_cfg) -> optax.GradientTransformation:
-  """AdamW with linear warmup, a constant or cosine (to 0.1 x lr) schedule over
-  ``optim_cfg.total_steps`` and global-norm clipping (``optim.grad_clip``; 0 = off).
+def schedule(optim_cfg):
+  """The learning rate of update ``k`` (0 = the first): linear warmup over
+  ``optim.warmup_steps``, then constant or cosine (to 0.1 x lr) over ``total_steps``.
 
-  ``optim_cfg``: a :class:`fbos_jax.rl.config.OptimConfig` (frozen): one
-  optimizer object per config, so the programs built on it are shared."""
+  optax counts updates from 0 and its warmup schedules start at 0, so used as they
+  are, update 0 would train at lr 0 (a whole RL step's rollouts spent on nothing).
+  Update k takes the schedule's value at k + 1: the warmup's first nonzero value
+  first, the full rate from update ``warmup_steps - 1``. ``warmup_from_zero``
+  (the SFT warm start only; :class:`fbos_jax.rl.config.OptimConfig`) keeps optax's
+  count."""
   total_steps = int(optim_cfg.total_steps)
   warm = max(int(optim_cfg.warmup_steps), 0)
   lr = float(optim_cfg.learning_rate)
@@ -35,11 +38,22 @@ def make_optimizer(optim_cfg) -> optax.GradientTransformation:
     ) if warm else optax.constant_schedule(lr)
   else:
     raise ValueError(f"optim.schedule={optim_cfg.schedule!r}; expected one of {SCHEDULES}.")
+  if optim_cfg.warmup_from_zero:
+    return sched
+  return lambda count: sched(count + 1)
+
+
+@functools.lru_cache(maxsize=None)
+def make_optimizer(optim_cfg) -> optax.GradientTransformation:
+  """AdamW on :func:`schedule` with global-norm clipping (``optim.grad_clip``; 0 = off).
+
+  ``optim_cfg``: a :class:`fbos_jax.rl.config.OptimConfig` (frozen): one
+  optimizer object per config, so the programs built on it are shared."""
   mu_dtype = jnp.dtype(optim_cfg.opt_state_dtype)
   chain = []
   if optim_cfg.grad_clip and optim_cfg.grad_clip > 0:
     chain.append(optax.clip_by_global_norm(float(optim_cfg.grad_clip)))
-  chain.append(optax.adamw(sched, b1=optim_cfg.b1, b2=optim_cfg.b2,
+  chain.append(optax.adamw(schedule(optim_cfg), b1=optim_cfg.b1, b2=optim_cfg.b2,
                            weight_decay=optim_cfg.weight_decay, mu_dtype=mu_dtype))
   return optax.chain(*chain)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from typing import Any, Callable, Optional
 
 import jax
@@ -61,6 +62,9 @@ class Program:
   what: str  # one line: the shapes
   knobs: str  # the config fields that shrink it
   refused: str = ""  # why the program cannot be built (the engine refuses its config)
+  # per-device bytes held while it runs that are not its arguments: during sampling,
+  # the train state (the float32 master and Adam's moments) beside the compute copy
+  resident: int = 0
 
 
 def _abstract_batch(shape: shapes_lib.UpdateShape, mesh, rules):
@@ -185,25 +189,47 @@ def _wanted(only: Optional[str], name: str) -> bool:
   return only is None or only == name or name.startswith(only + "/")
 
 
+def device_bytes(tree) -> int:
+  """Bytes one device holds of the sharded ShapeDtypeStructs ``tree`` (the most any
+  device holds of each leaf)."""
+  total = 0
+  for a in jax.tree.leaves(tree):
+    shape = a.sharding.shard_shape(tuple(a.shape)) if a.sharding is not None else a.shape
+    total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+  return total
+
+
 def step_programs(parts, mesh, rules, *, eval_prompts: int = 0, eval_k: int = 1,
-                  only: Optional[str] = None) -> list[Program]:
+                  only: Optional[str] = None, state_resident: bool = True) -> list[Program]:
   """Every program one training step (and the periodic eval, ``eval_prompts`` >
   0) of ``parts`` runs, at the shape model's largest shapes (``only``: that one,
   or both engine programs of a call): the static sampler's calls, or with
-  ``sampling.engine=continuous`` the engine's window and prefill of each call."""
+  ``sampling.engine=continuous`` the engine's window and prefill of each call.
+
+  The samplers take the compute copy of the params (``model.compute_dtype``,
+  ``fbos_jax.rl.state.ComputeCopy``); with ``state_resident`` (the state lives on
+  the same devices: not the rollout side of a split) the train state they do not
+  take (the master, Adam's moments) counts as held beside them."""
   from fbos_jax.rl import state as state_lib
   state = state_lib.abstract_state(parts, mesh, rules, strict=True)
+  policy = state_lib.compute_abstract(state.params, parts.model)
+  held = 0
+  if state_resident:  # the state, less the params when the samplers read the master itself
+    held = device_bytes(state) - (0 if state_lib.needs_compute_copy(parts.model)
+                                  else device_bytes(state.params))
   shards = sh.batch_shard_count(mesh, rules)
   progs = []
   kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
   if parts.sampling.engine == "continuous":
     for name, s in shapes_lib.engine_shapes(parts, **kw).items():
-      progs += [p for p in _engine_programs(name, s, parts, mesh, rules, state.params)
+      progs += [dataclasses.replace(p, resident=held)
+                for p in _engine_programs(name, s, parts, mesh, rules, policy)
                 if _wanted(only, p.name)]
   else:
     for name, s in shapes_lib.sampler_shapes(parts, shards, **kw).items():
       if _wanted(only, name):
-        progs.append(_sampler_program(name, s, parts, mesh, rules, state.params))
+        progs.append(dataclasses.replace(
+            _sampler_program(name, s, parts, mesh, rules, policy), resident=held))
   if _wanted(only, "update"):
     progs.append(_update_program(parts, mesh, rules, state,
                                  shapes_lib.update_shapes(parts, shards)))
@@ -228,16 +254,20 @@ class ProgramReport:
   code: int = 0
   error: str = ""  # the compiler's message when it did not compile (or the refusal)
   refused: bool = False  # not built: the engine refused its config (error says why)
+  resident: int = 0  # held beside it, not an argument (Program.resident)
+  seconds: float = 0.0  # lowering + compiling it here
 
   @property
   def peak(self) -> int:
     """Per-device bytes while the program runs: arguments + outputs that do not
-    alias an argument + temporaries + generated code."""
-    return self.argument + self.output - self.alias + self.temp + self.code
+    alias an argument + temporaries + generated code + what is held beside it
+    (the train state while a sampler runs)."""
+    return self.argument + self.output - self.alias + self.temp + self.code + self.resident
 
   def as_json(self) -> dict:
     return {"peak_bytes": self.peak if not self.error else None, "flops": self.flops,
             "xla_flops_per_device_loop_bodies_once": self.xla_flops,
+            "resident_bytes": self.resident,
             "argument_bytes": self.argument, "output_bytes": self.output,
             "alias_bytes": self.alias, "temp_bytes": self.temp, "code_bytes": self.code,
             "error": self.error or None}
@@ -247,13 +277,15 @@ _OOM_RE = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
 
 
 def compile_program(prog: Program, mesh) -> ProgramReport:
-  rep = ProgramReport(prog.name, prog.what, prog.knobs, prog.flops)
+  rep = ProgramReport(prog.name, prog.what, prog.knobs, prog.flops, resident=prog.resident)
   if prog.refused:
     rep.error, rep.refused = prog.refused, True
     return rep
+  t0 = time.perf_counter()
   try:
     with jax.set_mesh(mesh):
       compiled = prog.fn.lower(*prog.args).compile()
+    rep.seconds = time.perf_counter() - t0
   except Exception as e:  # noqa: BLE001  (XLA reports OOM as a compile error)
     msg = str(e)
     m = _OOM_RE.search(msg)
@@ -345,7 +377,10 @@ def compile_plan(config, topology: str, *, search: bool = True,
                     reports, engine_shapes=shapes_lib.engine_shapes(parts, **kw),
                     engine=parts.sampling.engine, lengths=lengths)
   model_cfg = parts.model
+  processes = len({getattr(d, "process_index", 0) for d in devices})
+  cset = compile_set_plan(parts, mesh, rules, reports, processes=processes, **kw)
   return {
+      "compile_set": cset,
       "topology": topology, "chip": chip.name, "device_kind": devices[0].device_kind,
       "num_devices": len(devices), "mesh": dict(mesh.shape), "batch_shards": shards,
       "hbm_bytes": hbm, "fit_fraction": frac,
@@ -360,6 +395,65 @@ def compile_plan(config, topology: str, *, search: bool = True,
       "suggestions": suggestions, "roofline": est,
       "est_step_s": est["step_s"],
   }
+
+
+def compile_set_plan(parts, mesh, rules, reports: dict, *, processes: int = 1,
+                     eval_prompts: int = 0, eval_k: int = 1) -> dict:
+  """The run's compile set on ``mesh`` (``fbos_jax/compile_set.py``: every
+  program it can call, compiled before step 1), counted from the shape model,
+  and its compile time estimated from ``reports`` (each program at its kind's
+  largest shape, compiled by the plan on this machine; smaller buckets compile
+  about as fast or faster). Returns {"programs": count, "est_seconds": seconds,
+  "groups": {name: {"programs": n, "est_seconds": s, "kinds": {kind: n}}}}."""
+  from fbos_jax.engine import Engine, EngineError
+  shards = sh.batch_shard_count(mesh, rules)
+  kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
+  secs = lambda name: reports[name].seconds if name in reports else 0.0
+  groups = {}
+  if parts.sampling.engine == "continuous":
+    for names, scfg, n_max in shapes_lib.engine_runs(parts, **kw):
+      label = " + ".join(names) + " (engine)"
+      try:
+        eng = Engine(parts.model, scfg, parts.sampling.engine_config, mesh=mesh, rules=rules)
+      except (EngineError, ValueError) as e:
+        groups[label] = {"programs": 0, "est_seconds": 0.0, "kinds": {}, "refused": str(e)}
+        continue
+      kinds: dict = {}
+      for shape in eng.program_shapes(n_max):
+        kinds[shape[0]] = kinds.get(shape[0], 0) + 1
+      # names like "rounds (streamed)" are not plan programs: time them by round 2's
+      plan_names = [("sample_round2" if "streamed" in n else n) for n in names]
+      t = {k: max(secs(f"{n}/{k}") for n in plan_names) for k in ENGINE_KINDS}
+      groups[label] = {"programs": sum(kinds.values()), "kinds": kinds,
+                       "est_seconds": sum(v * t.get(k, 0.0) for k, v in kinds.items())}
+  else:
+    for name, (_, _, buckets) in shapes_lib.sampler_programs(parts, shards, processes,
+                                                             **kw).items():
+      groups[f"{name} (static sampler)"] = {"programs": len(buckets), "kinds": {},
+                                            "est_seconds": len(buckets) * secs(name)}
+  n_update = len(shapes_lib.update_programs(parts, shards, processes))
+  groups["update"] = {"programs": n_update, "kinds": {},
+                      "est_seconds": n_update * secs("update")}
+  return {"programs": sum(g["programs"] for g in groups.values()),
+          "est_seconds": sum(g["est_seconds"] for g in groups.values()), "groups": groups}
+
+
+def format_compile_set(cset: dict) -> list[str]:
+  """The plan's lines on the compile set (count and estimated compile time)."""
+  lines = [f"compile set (every program the run can call, compiled before step 1): "
+           f"{cset['programs']:,} programs, about {cset['est_seconds'] / 60:.1f} min to compile "
+           "here (each timed at its kind's largest shape above)"]
+  for name, g in cset["groups"].items():
+    if g.get("refused"):
+      lines.append(f"  {name:<36} refused by the engine: {g['refused']}")
+      continue
+    kinds = ", ".join(f"{v} {k}" for k, v in g["kinds"].items())
+    lines.append(f"  {name:<36} {g['programs']:>5} programs{' (' + kinds + ')' if kinds else ''}"
+                 f", ~{g['est_seconds']:.0f} s")
+  lines.append("  knobs: engine.bucket_growth (fewer row / page / chunk / copy buckets), "
+               "engine.row_buckets / page_buckets / prefill_buckets, sampling.batch_buckets, "
+               "the prompt buckets, rl.fixed_row_buckets")
+  return lines
 
 
 def _search(parts, mesh, rules, name: str, budget: float, say, eval_prompts: int,
@@ -494,7 +588,8 @@ def format_compiled_plan(plan: dict) -> str:
          if plan["sampler"] == "continuous" else ""),
       "",
       f"{'program':<{_W}} {'args':>8} {'out':>8} {'alias':>8} {'temp':>8} {'code':>6} "
-      f"{'peak GiB':>9} {'% HBM':>6}  {'FLOPs (analytic)':>16} {'XLA FLOPs/dev*':>14}",
+      f"{'state+':>7} {'peak GiB':>9} {'% HBM':>6}  {'FLOPs (analytic)':>16} "
+      f"{'XLA FLOPs/dev*':>14}",
   ]
   for name, r in plan["programs"].items():
     g = lambda b: f"{b / GiB:8.2f}"
@@ -502,15 +597,18 @@ def format_compiled_plan(plan: dict) -> str:
       lines.append(f"{name:<{_W}} {_failure(r)}")
       lines.append(f"{'':<{_W}} {r.what}")
       continue
-    peak = r.peak if not r.error else r.argument + r.temp
+    peak = r.peak if not r.error else r.argument + r.temp + r.resident
     lines.append(f"{name:<{_W}} {g(r.argument)} {g(r.output)} {g(r.alias)} {g(r.temp)} "
-                 f"{r.code / GiB:6.2f} {peak / GiB:9.2f} {100 * peak / hbm:5.0f}%  "
+                 f"{r.code / GiB:6.2f} {r.resident / GiB:7.2f} {peak / GiB:9.2f} "
+                 f"{100 * peak / hbm:5.0f}%  "
                  f"{r.flops:16.3e} {r.xla_flops:14.3e}"
                  + ("" if _fits(r, budget) else "  <-- DOES NOT FIT"))
     lines.append(f"{'':<{_W}} {r.what}")
   lines.append("* XLA's cost_analysis counts a loop body once (layer scan, micro-batches, "
                "decode): per device, a lower bound. The analytic column counts every iteration "
-               "(all devices).")
+               "(all devices). state+: the train state a sampler does not take but which "
+               "stays in HBM beside it (the master params and Adam's moments; the samplers "
+               "read the compute copy).")
   for name, r in plan["programs"].items():
     if not _fits(r, budget):
       peak = r.peak if not r.error else r.temp
@@ -523,6 +621,7 @@ def format_compiled_plan(plan: dict) -> str:
       if plan["suggestions"].get(name):
         lines.append(f"  found by recompiling: {plan['suggestions'][name]}")
   lines += [""] + format_roofline(plan["roofline"])
+  lines += [""] + format_compile_set(plan["compile_set"])
   lines.append("fits: " + ("yes" if plan["fits"] else "NO"))
   return "\n".join(lines)
 
@@ -573,13 +672,15 @@ def plan_json(plan: dict) -> dict:
   return {"topology": plan["topology"], "hbm_bytes": plan["hbm_bytes"], "fits": plan["fits"],
           "programs": {k: {"peak_bytes": (r.peak if not r.error else None), "flops": r.flops,
                            "xla_flops": r.xla_flops, "temp_bytes": r.temp,
-                           "argument_bytes": r.argument}
+                           "argument_bytes": r.argument, "compile_s": r.seconds}
                        for k, r in plan["programs"].items()},
           "est_step_s": plan["est_step_s"], "mfu_bound": plan["roofline"]["mfu_bound"],
           "sampler": plan["sampler"],
           "est_step_s_static": plan["roofline"]["step_s_static"],
           "est_step_s_continuous": plan["roofline"]["step_s_continuous"],
-          "suggestions": plan["suggestions"], "dtypes": plan["dtypes"]}
+          "suggestions": plan["suggestions"], "dtypes": plan["dtypes"],
+          "compile_set": {"programs": plan["compile_set"]["programs"],
+                          "est_seconds": plan["compile_set"]["est_seconds"]}}
 
 
 # ----------------------------------------------------------------------------- abstract plan

@@ -67,21 +67,24 @@ def split_meshes(config, devices, rollout_devices: int) -> SplitMeshes:
 
 
 def plan_sync(parts, meshes: SplitMeshes, chunk_bytes: int, chip) -> dict:
-  """The weight sync of ``parts``'s params from the trainer to the rollout mesh as
-  the run makes it: in one process, :class:`~fbos_jax.rl.weight_sync.WeightSync`
-  (its intermediate mesh and cover checked; interconnect estimate over ICI);
-  over processes, one jitted copy onto the trainer's devices laid out as the
-  rollout's, pulled by JAX's transfer server between paired hosts (estimate over
-  the hosts' network at the ASSUMED :data:`DCN_BYTES_PER_S_PER_HOST`)."""
+  """The weight sync of ``parts``'s compute copy (``model.compute_dtype``, what the
+  rollout samples with; never the float32 master) from the trainer to the rollout
+  mesh as the run makes it: in one process,
+  :class:`~fbos_jax.rl.weight_sync.WeightSync` (its intermediate mesh and cover
+  checked; interconnect estimate over ICI); over processes, one jitted copy onto
+  the trainer's devices laid out as the rollout's, pulled by JAX's transfer server
+  between paired hosts (estimate over the hosts' network at the ASSUMED
+  :data:`DCN_BYTES_PER_S_PER_HOST`)."""
   st = state_lib.abstract_state(parts, meshes.trainer, meshes.rules)
+  policy = state_lib.compute_abstract(st.params, parts.model)
   specs = state_lib.param_specs(parts, meshes.rollout, meshes.rules)
-  dst = weight_sync.rollout_shardings(st.params, specs, meshes.rollout)
-  total, most = weight_sync.received_bytes(st.params, dst)
+  dst = weight_sync.rollout_shardings(policy, specs, meshes.rollout)
+  total, most = weight_sync.received_bytes(policy, dst)
   hosts = len({d.process_index for d in meshes.rollout.devices.flat})
   same = dict(meshes.trainer.shape) == dict(meshes.rollout.shape)
   if {d.process_index for d in meshes.rollout.devices.flat} & {
       d.process_index for d in meshes.trainer.devices.flat}:
-    ws = weight_sync.WeightSync(st.params, dst, chunk_bytes, "split")
+    ws = weight_sync.WeightSync(policy, dst, chunk_bytes, "split")
     bw = ICI_BYTES_PER_S.get(chip.name, 0.0) / 2  # one direction
     return {"path": "device-to-device (one process)", "bytes_total": total,
             "bytes_per_device_max": most, "chunks": len(ws.groups),
@@ -97,9 +100,11 @@ def plan_sync(parts, meshes: SplitMeshes, chunk_bytes: int, chip) -> dict:
 
 def _programs(parts, mesh, rules, names, eval_prompts=0, eval_k=1):
   """The step's programs of the calls ``names`` (a sampler call on the continuous
-  engine is two programs, ``NAME/window`` and ``NAME/prefill``)."""
+  engine is two programs, ``NAME/window`` and ``NAME/prefill``). The rollout side
+  of a split does not hold the train state."""
   return [p for p in plan_lib.step_programs(parts, mesh, rules, eval_prompts=eval_prompts,
-                                            eval_k=eval_k) if p.name.split("/")[0] in names]
+                                            eval_k=eval_k, state_resident=False)
+          if p.name.split("/")[0] in names]
 
 
 def compile_split_plan(config, topology: str, rollout_devices: int, *,

@@ -333,18 +333,20 @@ def _draw(probs, u):
   return bi * blk + jnp.clip(wi, first, last)
 
 
-def _choose(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool,
-            u=None):
-  """logits [N, V] float32 -> (token [N] int32, logprob [N] float32).
+def key_uniform(key, step, stream):
+  """The uniform a sampled row draws its token from at ``step`` (its own response
+  position) on stream ``stream`` (sample j of global prompt i: ``i * n + j``):
+  ``uniform(fold_in(fold_in(key, step), stream))``, float32 scalar. Both samplers
+  draw with it (vmapped over rows); tests recompute a row's draw with it."""
+  return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, step), stream), (),
+                            jnp.float32)
 
-  logprob = log_softmax(logits / T)[token] of the full (untruncated) distribution;
-  greedy uses T = 1. ``u`` [N]: the rows' uniforms (default: drawn from ``key``).
-  """
-  if greedy:
-    tok = _argmax(logits)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
-    return tok, picked - lse
+
+def draw_weights(logits, temperature, top_p, *, top_k: int, use_top_p: bool):
+  """What a sampled draw walks over: logits [N, V] float32 -> (z [N, V] = logits / T,
+  lse [N] = logsumexp(z), w [N, V] = exp(z - max z) with the tokens outside top-k /
+  top-p at 0). The token is the first whose cumulative ``w`` exceeds ``u * sum(w)``
+  (:func:`_draw`); its log-prob is ``z[token] - lse`` (full distribution)."""
   z = logits / temperature
   v = z.shape[-1]
   m = jnp.max(z, axis=-1, keepdims=True)
@@ -362,7 +364,22 @@ def _choose(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_to
     before = jnp.cumsum(sp, axis=-1) - sp  # mass of strictly more likely tokens
     thresh = jnp.min(jnp.where(before < top_p, srt, jnp.inf), axis=-1, keepdims=True)
     keep = (z >= thresh) if keep is None else keep & (z >= thresh)  # first token always kept
-  probs = e if keep is None else jnp.where(keep, e, 0.0)
+  return z, lse, e if keep is None else jnp.where(keep, e, 0.0)
+
+
+def _choose(logits, key, temperature, top_p, *, greedy: bool, top_k: int, use_top_p: bool,
+            u=None):
+  """logits [N, V] float32 -> (token [N] int32, logprob [N] float32).
+
+  logprob = log_softmax(logits / T)[token] of the full (untruncated) distribution;
+  greedy uses T = 1. ``u`` [N]: the rows' uniforms (default: drawn from ``key``).
+  """
+  if greedy:
+    tok = _argmax(logits)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0]
+    return tok, picked - lse
+  z, lse, probs = draw_weights(logits, temperature, top_p, top_k=top_k, use_top_p=use_top_p)
   if u is None:
     u = jax.random.uniform(key, (z.shape[0],), jnp.float32)
   tok = _draw(probs, u).astype(jnp.int32)
@@ -503,8 +520,7 @@ def _ops(params, key, temperature, top_p, stop_ids, row_ids, logit_bias=None, *,
     k = jax.random.fold_in(key, step)
     u = None
     if sample_ids is not None:
-      u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(k, i), (), jnp.float32))(
-          sample_ids)
+      u = jax.vmap(lambda i: key_uniform(key, step, i))(sample_ids)
     return _choose(logits, k, temperature, top_p,
                    greedy=st.greedy, top_k=st.top_k, use_top_p=st.use_top_p, u=u)
 
@@ -659,7 +675,7 @@ def get_generate_fn(cfg: qwen.ModelConfig, scfg: SamplingConfig, *, batch: int, 
   key = (cfg, st, int(batch), int(prompt_len), int(n_per_prompt), mesh, _rules_key(rules))
   return _PROGRAMS.get(key, lambda: jax.jit(
       functools.partial(_generate, cfg=cfg, st=st, n=int(n_per_prompt), mesh=mesh, rules=rules),
-      donate_argnums=(1, 2)))
+      donate_argnums=(1, 2)), name="static sampler")
 
 
 def compiled_programs() -> int:
@@ -800,8 +816,7 @@ def sample(params, cfg: qwen.ModelConfig, prompts: Union[Sequence[Sequence[int]]
     if logit_bias.shape != (len(rows), cfg.vocab_size):
       raise SamplingError(f"logit_bias has shape {logit_bias.shape}; expected "
                           f"[num_prompts, vocab] = {(len(rows), cfg.vocab_size)}.")
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and str(jax.random.key_impl(key)) == "threefry2x32":
-    key = jax.random.key_data(key)  # one program serves typed and raw threefry keys
+  key = sample_key(key)
   max_b = max(int(x) for x in scfg.batch_buckets)
   # multi-process: each process's bucket is a multiple of its batch shards
   local_shards = sh.batch_shard_count(mesh, rules) // nproc if nproc > 1 else 1
@@ -829,26 +844,43 @@ def _call(fn, params, scfg: SamplingConfig, chunk: list, ids, bb: int, plen: int
           mesh, rules, logit_bias=None) -> dict:
   """One program call on ``chunk`` (this process's prompts, padded to ``bb``
   with dummy rows); this process's output rows as numpy."""
+  args = call_args(params, scfg, chunk, ids, bb, plen, key, mesh, rules, logit_bias)
+  start = sh.local_row_start(args[1]) * n  # this process's first output row
+  # under the mesh, attention picks its kernel from the mesh's devices (Pallas on TPU)
+  mesh_ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+  with warnings.catch_warnings(), mesh_ctx:  # donated prompts alias outputs only when n == 1
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    res = fn(*args)
+  keep = len(chunk) * n  # dummy prompts are the last rows
+  return {k: sh.host_rows(v, (start, start + keep)) for k, v in res.items()}
+
+
+def call_args(params, scfg: SamplingConfig, chunk: list, ids, bb: int, plen: int, key, mesh,
+              rules, logit_bias=None) -> tuple:
+  """The arguments of one generate call (:func:`get_generate_fn`) on ``chunk``
+  (this process's prompts, left-padded to ``plen`` and padded to ``bb`` with
+  dummy rows; ``ids`` their indices in the key contract), placed on ``mesh`` as
+  the call places them (a compile set lowers the programs with them)."""
   temperature = np.float32(scfg.temperature if not scfg.is_greedy else 1.0)
   toks, mask = buckets.left_pad(chunk, plen, scfg.pad_id, rows=bb)
   row_ids = np.full((bb,), -1, np.int32)  # global prompt index (-1: dummy row)
   row_ids[:len(chunk)] = ids
   put = (lambda x: sh.put_process_local(x, mesh, rules)) if mesh is not None else jnp.asarray
-  d_toks = put(toks)
-  start = sh.local_row_start(d_toks) * n  # this process's first output row
   extra = ()
   if logit_bias is not None:
     bias = np.zeros((bb, logit_bias.shape[1]), np.float32)
     bias[:len(chunk)] = logit_bias
     extra = (put(bias),)
-  # under the mesh, attention picks its kernel from the mesh's devices (Pallas on TPU)
-  mesh_ctx = jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-  with warnings.catch_warnings(), mesh_ctx:  # donated prompts alias outputs only when n == 1
-    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    res = fn(params, d_toks, put(mask), key, temperature, np.float32(scfg.top_p),
-             stop_id_array(scfg.stop_token_ids), put(row_ids), *extra)
-  keep = len(chunk) * n  # dummy prompts are the last rows
-  return {k: sh.host_rows(v, (start, start + keep)) for k, v in res.items()}
+  return (params, put(toks), put(mask), key, temperature, np.float32(scfg.top_p),
+          stop_id_array(scfg.stop_token_ids), put(row_ids)) + extra
+
+
+def sample_key(key):
+  """The key as a generate program takes it (raw threefry bits)."""
+  if (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+      and str(jax.random.key_impl(key)) == "threefry2x32"):
+    return jax.random.key_data(key)  # one program serves typed and raw threefry keys
+  return key
 
 
 # ----------------------------------------------------------------------------- reference
@@ -864,13 +896,24 @@ def teacher_forced_logprobs(params, cfg: qwen.ModelConfig, prompt_tokens, prompt
   Materialises [N, P + R, V] logits: a reference for tests and small batches; the
   trainer's chunked ``fbos_kernels.token_logprobs_and_entropy`` computes the same.
   """
-  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   tokens = jnp.asarray(tokens, jnp.int32)
   rmask = jnp.asarray(response_mask, jnp.int32)
-  seq = jnp.concatenate([prompt_tokens, tokens], axis=1)
-  smask = jnp.concatenate([jnp.asarray(prompt_mask, jnp.int32), rmask], axis=1)
-  logits = qwen.apply(params, seq, smask, cfg)
-  p, r = prompt_tokens.shape[1], tokens.shape[1]
-  z = restrict_vocab(logits[:, p - 1:p - 1 + r], vocab_limit) / temperature
+  z = teacher_forced_logits(params, cfg, prompt_tokens, prompt_mask, tokens, rmask,
+                            vocab_limit=vocab_limit) / temperature
   lp = jnp.take_along_axis(jax.nn.log_softmax(z, axis=-1), tokens[..., None], axis=-1)[..., 0]
   return jnp.where(rmask > 0, lp, 0.0)
+
+
+def teacher_forced_logits(params, cfg: qwen.ModelConfig, prompt_tokens, prompt_mask, tokens,
+                          response_mask, *, vocab_limit: int = 0) -> jax.Array:
+  """The logits each response token was drawn from, recomputed by one forward pass on
+  prompt [N, P] + response [N, R]: [N, R, V] float32 (ids >= ``vocab_limit`` at -inf);
+  position t sees the prompt and tokens[:t] only."""
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  seq = jnp.concatenate([prompt_tokens, tokens], axis=1)
+  smask = jnp.concatenate([jnp.asarray(prompt_mask, jnp.int32),
+                           jnp.asarray(response_mask, jnp.int32)], axis=1)
+  logits = qwen.apply(params, seq, smask, cfg)
+  p, r = prompt_tokens.shape[1], tokens.shape[1]
+  return restrict_vocab(logits[:, p - 1:p - 1 + r].astype(jnp.float32), vocab_limit)

@@ -122,7 +122,7 @@ def two_round(args) -> dict:
   parts = ctxs[False].parts
   eos = ctxs[False].tokenizer.eos_token_id
   state = state_lib.init_state(parts, mesh, sh.rules_dict(c.mesh.rules))
-  params = dict(state.params)
+  params = dict(state_lib.compute_params(state.params, parts.model))
   params["embed"] = params["embed"].at[eos].multiply(args.eos_scale)
   from fbos_jax import data as data_lib
   examples = next(data_lib.make_prompt_iterator(c.data, batch_size=parts.rollout.prompts_per_step,
@@ -135,7 +135,7 @@ def two_round(args) -> dict:
   for _ in range(args.repeats):
     for stream in (False, True):
       t0 = time.perf_counter()
-      _, metrics[stream], _ = rollout.rollout_step(ctxs[stream], params, examples, key)
+      metrics[stream] = rollout.rollout_step(ctxs[stream], params, examples, key).metrics
       runs[stream].append(time.perf_counter() - t0)
       engine_stats[stream].append(ctxs[stream].engine_stats.as_dict())
   for ctx in ctxs.values():

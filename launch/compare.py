@@ -77,6 +77,14 @@ flags.DEFINE_bool("resume", False, "Keep the finished runs of WORKDIR/compare.js
                   "the variant, arms or budget differ.")
 flags.DEFINE_string("task", "", "Override data.task (e.g. arithmetic).")
 flags.DEFINE_multi_string("set", [], "Extra overrides for every run, e.g. --set=rl.terms.ecc.weight=0.5")
+flags.DEFINE_list("lrs", [], "Learning-rate sweep (docs/results/verdict_rule.md): each arm runs "
+                  "one seed (--sweep_seed) per rate on the validation split, and its seeds run "
+                  "at the best stable rate; an arm with no stable rate is reported, not run. "
+                  "Empty: every arm at its config's rate.")
+flags.DEFINE_integer("sweep_seed", 0, "The seed of the sweep's runs.")
+flags.DEFINE_integer("valid_prompts", 0, "Validation problems for the sweep (0 = "
+                     "train.eval_prompts): the eval split's next distinct problems after the "
+                     "test set's, never the test set.")
 _CONSOLE_VERBOSITY = cli.define_console_verbosity()
 flags.adopt_module_key_flags(cli)  # the shared flags in --helpshort
 FLAGS = flags.FLAGS
@@ -148,7 +156,8 @@ def shared_setup(c, quick: bool):
   if quick:
     c.model.num_layers, c.model.hidden_size, c.model.intermediate_size = 1, 64, 128
     c.model.num_heads, c.model.num_kv_heads = 2, 1
-    c.sft.steps = 20
+    from fbos_jax.rl import sft as sft_lib
+    sft_lib.set_total_steps(c, 20)  # with stages: each in the recipe's proportions
     c.train.eval_prompts = 16
     c.sampling.max_new_tokens = 6
   c.train.progress = False
@@ -157,6 +166,10 @@ def shared_setup(c, quick: bool):
   for kv in FLAGS.set:
     k, _, v = kv.partition("=")
     configs.set_field(c, k, v)
+  from fbos_jax.rl import config as config_lib
+  ignored = config_lib.stage_override_errors(c, [kv.partition("=")[0] for kv in FLAGS.set])
+  if ignored:  # a --set that the warm start's stages would ignore
+    raise ValueError("--set: " + "; ".join(ignored))
   return c
 
 
@@ -168,15 +181,25 @@ def reference_steps(budget: int, variant: str, quick: bool) -> int:
 
 
 def run_one(label, arm: Arm, seed, sft_params, budget, max_steps, eval_every, workdir, quick,
-            variant="tiny"):
+            variant="tiny", learning_rate=None, valid_prompts=0):
+  """One run from the warm start ``sft_params``; ``learning_rate``: the arm's rate
+  (None: its config's); ``valid_prompts`` > 0: evaluated on that many validation
+  problems (a sweep run) instead of the test set."""
+  from fbos_jax import data as data_lib
   from fbos_jax.rl.trainer import RLTrainer
   c = shared_setup(load_config(arm.config, arm_config_arg(arm, variant)), quick)
   c.seed = seed
   c.data.shuffle_seed = 0  # the seed's data stream (trainer.data_seed): same order for every algo
-  wd = os.path.join(workdir, "runs", f"{label}_s{seed}")
+  if learning_rate is not None:
+    c.optim.learning_rate = float(learning_rate)
+  tag = f"_lr{learning_rate:g}_valid" if valid_prompts else ""
+  wd = os.path.join(workdir, "runs", f"{label}_s{seed}{tag}")
   tr = RLTrainer(c, wd, init_params=sft_params)
   state = tr.init_state()
   evals = tr.eval_examples
+  if valid_prompts:
+    evals = data_lib.held_out_examples(c.data, valid_prompts, skip=c.train.eval_prompts,
+                                       tokenizer=tr.ctx.tokenizer, templates_config=c.templates)
   used, step = 0, 0
   rows = []
   k = c.train.eval_k  # greedy pass@1, plus pass@1 at T=1 over k samples (lower variance)
@@ -195,7 +218,30 @@ def run_one(label, arm: Arm, seed, sft_params, budget, max_steps, eval_every, wo
     rows.append(row)
   tr.close()
   return {"label": label, "seed": seed, "rows": rows, "seconds": time.perf_counter() - t0,
-          "stop": arm.stop, "config": f"configs/{arm.config}.py:{arm_config_arg(arm, variant)}"}
+          "stop": arm.stop, "config": f"configs/{arm.config}.py:{arm_config_arg(arm, variant)}",
+          "learning_rate": float(c.optim.learning_rate), "budget_rollouts": budget,
+          "warm_start": params_digest(sft_params),
+          "eval_set": f"validation ({len(evals)} problems)" if valid_prompts else "test"}
+
+
+def params_digest(params) -> str:
+  """A short digest of a warm start's params (equal digests: the same warm start)."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    h.update(np.asarray(jax.device_get(leaf)).tobytes())
+  return h.hexdigest()[:16]
+
+
+def identity(budget: int, eval_every: int) -> dict:
+  """Everything that decides a comparison's runs, besides the seeds: a --resume
+  keeps earlier runs only when this is unchanged (checked before any training)."""
+  return {"variant": FLAGS.variant, "arms": {l: dataclasses.asdict(ARMS[l]) for l in selected_arms()},
+          "budget_rollouts": budget, "eval_every": eval_every, "task": FLAGS.task,
+          "set": sorted(FLAGS.set), "quick": FLAGS.quick,
+          "shared_warm_start": FLAGS.shared_warm_start, "lrs": [float(x) for x in FLAGS.lrs],
+          "sweep_seed": FLAGS.sweep_seed, "valid_prompts": FLAGS.valid_prompts}
 
 
 def _final(rows, key):
@@ -246,7 +292,10 @@ def _stat(xs):
 
 
 def summarize(results, sft_len, budget=None):
+  """The comparison's table, per arm (``{}`` while only sweep runs have finished)."""
   labels = list(dict.fromkeys(r["label"] for r in results))
+  if not labels:
+    return {}
   by = {l: [r for r in results if r["label"] == l] for l in labels}
   base = next((b for b in (REFERENCE, "fbos") if b in by), labels[0])  # the reference run
   base_final = float(np.mean([_final(r["rows"], "eval/accuracy") for r in by[base]]))
@@ -510,12 +559,12 @@ def warm_starts(seeds: list) -> tuple:
           f"{ev.get('eval/pass@1_sampled', float('nan')):.3f} (T=1), "
           f"length {ev['eval/length']:.2f} ({'cached' if cached else 'trained'})", flush=True)
     if FLAGS.probe_batches > 0:
-      probes[seed] = probe_warm_start(tr, p, FLAGS.probe_batches)
+      probes[seed] = probe_warm_start(tr, tr.policy(p), FLAGS.probe_batches)
       print(f"warm start (seed {seed}) probe: {json.dumps(probes[seed])}", flush=True)
       if FLAGS.feedback_probe:
         from fbos_jax.rl import probe as probe_lib
         t0 = time.perf_counter()
-        fp = probe_lib.run_probe(tr.ctx, p, lambda: next(tr.train_iter), FLAGS.probe_batches,
+        fp = probe_lib.run_probe(tr.ctx, tr.policy(p), lambda: next(tr.train_iter), FLAGS.probe_batches,
                                  key=jax_key(4048 + seed))
         fp["seconds"] = time.perf_counter() - t0
         probes[seed]["feedback_probe"] = fp
@@ -542,7 +591,10 @@ def main(argv):
                   data["wall_seconds"], meta={k: data[k] for k in ("command", "note", "machine",
                                                                   "variant", "arms", "probes",
                                                                   "warm_starts", "equal_steps",
-                                                                  "partial", "resumed")
+                                                                  "partial", "resumed",
+                                                                  "identity", "sweep",
+                                                                  "learning_rates",
+                                                                  "sweep_runs")
                                               if k in data})
     return
   t_start = time.perf_counter()
@@ -552,6 +604,21 @@ def main(argv):
   meta = {"command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
           "note": FLAGS.note, "machine": {"start": machine_state()}, "variant": FLAGS.variant,
           "arms": {l: dataclasses.asdict(ARMS[l]) for l in labels}}
+  base_cfg = shared_setup(load_config(REFERENCE, FLAGS.variant), FLAGS.quick)
+  budget = FLAGS.budget or (64 if FLAGS.quick else 128 * base_cfg.train.steps)
+  eval_every = FLAGS.eval_every or (2 if FLAGS.quick else 5)
+  max_steps = reference_steps(budget, FLAGS.variant, FLAGS.quick)
+  meta["equal_steps"] = max_steps
+  meta["identity"] = identity(budget, eval_every)
+  lrs = [float(x) for x in FLAGS.lrs]
+  if lrs and FLAGS.sweep_seed not in seeds:
+    raise app.UsageError(f"--sweep_seed={FLAGS.sweep_seed} is not one of the seeds {seeds}")
+  if lrs and base_cfg.train.eval_k < 2:
+    raise app.UsageError("--lrs: the sweep picks on the T=1 accuracy, which needs "
+                         f"train.eval_k >= 2 (it is {base_cfg.train.eval_k})")
+  # before any training: a --resume of another comparison is refused here
+  results, sweep_runs = (resumed_runs(FLAGS.workdir, meta, labels, seeds) if FLAGS.resume
+                         else ([], []))
   sft_params, sft_evals, probes = warm_starts(seeds)
   meta["probes"] = {str(k): v for k, v in probes.items()}
   meta["warm_starts"] = {str(k): v for k, v in sft_evals.items()}
@@ -571,55 +638,108 @@ def main(argv):
     print(md)
     print(fb)
     return
-  base_cfg = shared_setup(load_config(REFERENCE, FLAGS.variant), FLAGS.quick)
-  budget = FLAGS.budget or (64 if FLAGS.quick else 128 * base_cfg.train.steps)
-  eval_every = FLAGS.eval_every or (2 if FLAGS.quick else 5)
-  max_steps = reference_steps(budget, FLAGS.variant, FLAGS.quick)
-  meta["equal_steps"] = max_steps
-  results = resumed_runs(FLAGS.workdir, meta, labels, seeds, budget) if FLAGS.resume else []
-  done_runs = {(r["label"], r["seed"]) for r in results}
   t_start -= meta.get("resumed", {}).get("wall_seconds_before", 0.0)  # wall of the whole comparison
+  valid_n = FLAGS.valid_prompts or base_cfg.train.eval_prompts
   from tqdm.auto import tqdm
-  bar = tqdm([(l, s) for s in seeds for l in labels if (l, s) not in done_runs],
+
+  def save(partial=None):
+    meta["sweep"], meta["learning_rates"] = sweep_table(sweep_runs, labels, lrs)
+    meta["sweep_runs"] = sweep_runs
+    meta["machine"]["end"] = machine_state()
+    write_outputs(results, sft_evals[seeds[0]], budget, len(seeds), time.perf_counter() - t_start,
+                  meta=dict(meta, partial=partial) if partial else meta, quiet=bool(partial))
+
+  # 1. the sweep (docs/results/verdict_rule.md): one seed per rate and arm, on the
+  # validation split; 2. each arm's seeds at its pick (its config's rate without --lrs)
+  todo = [(l, lr) for l in labels for lr in lrs
+          if not any(r["label"] == l and r["learning_rate"] == lr for r in sweep_runs)]
+  total = len(labels) * (len(lrs) + len(seeds))
+  bar = tqdm(todo, desc="compare: sweep", dynamic_ncols=True)
+  for label, lr in bar:
+    bar.set_postfix(run=f"{label} lr {lr:g}")
+    sweep_runs.append(run_one(label, ARMS[label], FLAGS.sweep_seed, sft_params[FLAGS.sweep_seed],
+                              budget, max_steps, eval_every, FLAGS.workdir, FLAGS.quick,
+                              FLAGS.variant, learning_rate=lr, valid_prompts=valid_n))
+    save(partial=f"{len(sweep_runs) + len(results)} of {total} runs")
+  _, picks = sweep_table(sweep_runs, labels, lrs)
+  for label in labels:
+    if lrs and picks[label] is None:
+      from fbos_jax.rl import evaluation  # pylint: disable=g-import-not-at-top
+      logging.warning("%s: no stable learning rate among %s (every one drops more than %.2f "
+                      "greedy in its first %d rollouts): the arm is not run", label, lrs,
+                      evaluation.MAX_DROP, evaluation.DROP_WINDOW)
+  done_runs = {(r["label"], r["seed"]) for r in results}
+  bar = tqdm([(l, s) for s in seeds for l in labels
+              if (l, s) not in done_runs and (not lrs or picks[l] is not None)],
              desc="compare", dynamic_ncols=True)
   for label, seed in bar:
     bar.set_postfix(run=f"{label} s{seed}")
     res = run_one(label, ARMS[label], seed, sft_params[seed], budget, max_steps, eval_every,
-                  FLAGS.workdir, FLAGS.quick, FLAGS.variant)
+                  FLAGS.workdir, FLAGS.quick, FLAGS.variant,
+                  learning_rate=picks[label] if lrs else None)
     results.append(res)
     logging.info("%s seed %d: final acc %.3f in %.0fs", label, seed,
                  _final(res["rows"], "eval/accuracy"), res["seconds"])
-    if len(results) < len(labels) * len(seeds):  # a long comparison keeps what it has so far
-      meta["machine"]["end"] = machine_state()
-      write_outputs(results, sft_evals[seeds[0]], budget, len(seeds),
-                    time.perf_counter() - t_start,
-                    meta=dict(meta, partial=f"{len(results)} of {len(labels) * len(seeds)} runs"),
-                    quiet=True)
-  meta["machine"]["end"] = machine_state()
-  write_outputs(results, sft_evals[seeds[0]], budget, len(seeds),
-                time.perf_counter() - t_start, meta=meta)
+    # a long comparison keeps what it has so far (the last save below drops the label)
+    save(partial=f"{len(sweep_runs) + len(results)} of {total} runs")
+  save()
 
 
-def resumed_runs(workdir, meta, labels, seeds, budget) -> list:
+def resumed_runs(workdir, meta, labels, seeds) -> tuple:
   """The finished runs of ``workdir/compare.json`` that this comparison would run
-  again; ``meta`` records which were kept. Refuses a file from another comparison
-  (variant, arm definitions or budget differ) rather than mixing the two."""
+  again, as (runs, sweep runs); ``meta`` records which were kept. Refuses a file of
+  another comparison, naming what differs: any field of its identity
+  (:func:`identity`: variant, budget, --set, --task, the sweep, ...) or an arm
+  defined differently. Called before any training."""
   path = os.path.join(workdir, "compare.json")
   if not os.path.exists(path):
     raise app.UsageError(f"--resume: {path} does not exist")
   with open(path) as f:
     old = json.load(f)
-  for field, now in (("variant", meta["variant"]), ("budget_rollouts", budget)):
-    if old.get(field) != now:
-      raise app.UsageError(f"--resume: {path} has {field}={old.get(field)!r}, this run {now!r}")
+  was, now = old.get("identity"), meta["identity"]
+  if was is None:
+    raise app.UsageError(f"--resume: {path} records no identity (written by an older "
+                         "compare.py), so its runs cannot be matched to this command; "
+                         "use a new --workdir")
+  for field in sorted(set(was) | set(now)):
+    if field != "arms" and was.get(field) != now.get(field):
+      raise app.UsageError(f"--resume: {path} was run with {field}={was.get(field)!r}, this "
+                           f"command has {field}={now.get(field)!r}; its runs would not be "
+                           "comparable (use a new --workdir)")
   for label in labels:
-    if label in old.get("arms", {}) and old["arms"][label] != json.loads(json.dumps(meta["arms"][label])):
+    if label in was["arms"] and was["arms"][label] != now["arms"][label]:
       raise app.UsageError(f"--resume: arm {label!r} in {path} is defined differently now")
   kept = [r for r in old["runs"] if r["label"] in labels and r["seed"] in seeds]
+  sweep = [r for r in old.get("sweep_runs", []) if r["label"] in labels]
   meta["resumed"] = {"from": old.get("command"), "wall_seconds_before": old["wall_seconds"],
-                     "kept_runs": [f"{r['label']} s{r['seed']}" for r in kept]}
-  logging.info("--resume: keeping %d finished runs from %s", len(kept), path)
-  return kept
+                     "kept_runs": [f"{r['label']} s{r['seed']}" for r in kept]
+                                  + [f"{r['label']} lr {r['learning_rate']:g} (sweep)"
+                                     for r in sweep]}
+  logging.info("--resume: keeping %d finished runs and %d sweep runs from %s", len(kept),
+               len(sweep), path)
+  return kept, sweep
+
+
+def sweep_table(sweep_runs: list, labels: list, lrs: list) -> tuple:
+  """Each arm's sweep (``{label: {rate: final accuracies, drop, stable}}``, the
+  validation runs that finished) and its pick (``{label: rate or None}``; an arm
+  whose sweep is incomplete has no entry)."""
+  from fbos_jax.rl import evaluation  # pylint: disable=g-import-not-at-top
+  table, picks = {}, {}
+  for label in labels:
+    runs = {r["learning_rate"]: r for r in sweep_runs if r["label"] == label}
+    entry = {}
+    for lr, r in sorted(runs.items()):
+      drop = evaluation.drop_from_start(r["rows"], within_rollouts=evaluation.DROP_WINDOW)
+      entry[f"{lr:g}"] = {"final_greedy": _final(r["rows"], "eval/accuracy"),
+                          "final_sampled": _final(r["rows"], "eval/pass@1_sampled"),
+                          "drop_greedy": drop["greedy"], "drop_sampled": drop["sampled"],
+                          "stable": drop["greedy"] >= -evaluation.MAX_DROP - 1e-9}
+    if entry:
+      table[label] = entry
+    if all(lr in runs for lr in lrs):
+      picks[label] = evaluation.pick_learning_rate(entry)
+  return table, picks
 
 
 def write_outputs(results, sft_eval, budget, seeds, wall, meta=None, quiet=False):
@@ -656,6 +776,11 @@ def write_outputs(results, sft_eval, budget, seeds, wall, meta=None, quiet=False
         f"{',' + a['flavors'] if a['flavors'] else ''} ({a['what']}; "
         f"{'EQUAL STEPS, not equal rollouts' if a['stop'] == 'steps' else 'equal rollouts'})"
         for l, a in arms.items()) + ". Every arm that ran is reported.")
+  if meta.get("learning_rates") is not None and meta.get("identity", {}).get("lrs"):
+    header.append("Learning rates from the sweep (one seed, validation split; "
+                  "docs/results/verdict_rule.md): " + "; ".join(
+                      f"`{l}` {'none stable: not run' if lr is None else f'{lr:g}'}"
+                      for l, lr in meta["learning_rates"].items()))
   md = markdown(table)
   diag = diagnostics_markdown(table)
   probe = probe_markdown({int(k): v for k, v in meta.get("probes", {}).items()})

@@ -20,12 +20,15 @@ def main(argv):
   del argv
   cli.setup_console_from_flags()
   from fbos_jax.model.hf import CheckpointError
+  from fbos_jax.checkpoint import CheckpointMismatchError, CheckpointRestoreError
   from fbos_jax.rl import evaluation
   try:
     res = evaluation.evaluate_checkpoint(_CONFIG.value, FLAGS.workdir, k=FLAGS.k,
                                          step=FLAGS.step, init_from_hf=FLAGS.init_from_hf)
   except (FileNotFoundError, CheckpointError) as e:  # no checkpoint / tokenizer / HF dir
     raise app.UsageError(str(e)) from None
+  except (CheckpointRestoreError, CheckpointMismatchError) as e:  # unreadable / another model
+    cli.fail(e)
   print(json.dumps(res, indent=2))
 
 

@@ -45,7 +45,8 @@ def main(argv):
     raise app.UsageError("--config is required, e.g. --config=configs/fbos.py:tiny")
   from fbos_jax.rl import config as config_lib
   try:  # every bad field at once, before anything is built (the mesh is checked later)
-    config_lib.validate(config, num_batch_shards=1, process_count=1)
+    config_lib.validate(config, num_batch_shards=1, process_count=1,
+                        overrides=config_flags.get_override_values(FLAGS["config"]))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   if FLAGS.dry_run and FLAGS.init_from_hf:  # plan the checkpoint's real architecture
@@ -73,8 +74,13 @@ def main(argv):
   console.setup_logging(FLAGS.workdir, verbosity=_CONSOLE_VERBOSITY.value,
                         filename="log.txt" if pi == 0 else f"log.{pi}.txt")
   from fbos_jax.rl import run
-  run.run_training(config, FLAGS.workdir, init_from_hf=FLAGS.init_from_hf, plot=FLAGS.plot,
-                   allow_config_change=FLAGS.allow_config_change)
+  try:
+    run.run_training(config, FLAGS.workdir, init_from_hf=FLAGS.init_from_hf, plot=FLAGS.plot,
+                     allow_config_change=FLAGS.allow_config_change)
+  except Exception as e:  # pylint: disable=broad-except
+    if cli.stops_with_threads_behind(e):  # a failed save, a full disk: the cause last
+      cli.exit_with_cause(e)
+    raise
 
 
 def _compiled_dry_run(config, topology: str):

@@ -24,6 +24,8 @@ import os
 from absl import app, flags
 import numpy as np
 
+from fbos_jax.rl import evaluation
+
 flags.DEFINE_string("compare", None, "compare.json of a finished (or partial) comparison.")
 flags.DEFINE_string("out", "docs/results", "Directory for verdict.json, verdict.md, verdict.png.")
 flags.DEFINE_string("reference", "grpo", "The reference arm's label.")
@@ -33,6 +35,90 @@ FLAGS = flags.FLAGS
 
 GREEDY, SAMPLED = "eval/accuracy", "eval/pass@1_sampled"
 SHOWN, REFUTED, NOISE = "shown", "refuted", "not separable from noise"
+MAX_DROP, DROP_WINDOW = evaluation.MAX_DROP, evaluation.DROP_WINDOW  # the recipe's bound
+
+
+class CompareError(ValueError):
+  """A compare.json that cannot be judged; the message names the file, run and key."""
+
+
+def load_compare(path: str) -> dict:
+  """``path`` (a compare.json) read and checked (:func:`check_compare`)."""
+  try:
+    with open(path) as f:
+      text = f.read()
+  except OSError as e:
+    raise CompareError(f"{path}: cannot read it ({e.strerror})") from None
+  try:
+    data = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise CompareError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}); "
+                       f"a truncated file? ({len(text)} characters)") from None
+  check_compare(data, path)
+  return data
+
+
+def _number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_compare(data, path: str = "compare.json"):
+  """Refuses what the rule cannot judge, naming the file, the run and the key:
+  a run without a label, an integer seed or eval rows; an accuracy that is not a
+  finite number in [0, 1]; rollouts that are not a non-decreasing count; a second
+  run of the same (arm, seed); arms with different rollout budgets, or (where
+  compare.json records them) different warm starts for the same seed."""
+  if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+    raise CompareError(f"{path}: no 'runs' list (is it a compare.json of launch/compare.py?)")
+  if not data["runs"]:
+    raise CompareError(f"{path}: 'runs' is empty: no run finished")
+  seen, budgets, warm = {}, {}, {}
+  for i, r in enumerate(data["runs"]):
+    where = f"{path}: runs[{i}]"
+    if not isinstance(r, dict):
+      raise CompareError(f"{where} is a {type(r).__name__}, not a run")
+    label, seed = r.get("label"), r.get("seed")
+    if not isinstance(label, str) or not label:
+      raise CompareError(f"{where}: no 'label' (the arm's name)")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+      raise CompareError(f"{where} ({label}): 'seed' = {seed!r}, not an integer")
+    name = f"{where} (arm {label!r}, seed {seed})"
+    if (label, seed) in seen:
+      raise CompareError(f"{name}: a second run of this arm and seed (the first is "
+                         f"runs[{seen[label, seed]}]); one run per (arm, seed)")
+    seen[label, seed] = i
+    rows = r.get("rows")
+    if not isinstance(rows, list) or not rows:
+      raise CompareError(f"{name}: no 'rows' (an empty run)")
+    last = 0
+    for j, row in enumerate(rows):
+      if not isinstance(row, dict):
+        raise CompareError(f"{name}: rows[{j}] is a {type(row).__name__}, not a dict")
+      for key in (GREEDY, SAMPLED):
+        if key in row:
+          v = row[key]
+          if not _number(v) or not math.isfinite(v) or not 0.0 <= v <= 1.0:
+            raise CompareError(f"{name}: rows[{j}][{key!r}] = {v!r}, not an accuracy "
+                               "(a finite number in [0, 1])")
+      n = row.get("rollouts")
+      if not _number(n) or n < last:
+        raise CompareError(f"{name}: rows[{j}]['rollouts'] = {n!r}; expected a count of "
+                           f"generated rollouts, at least the previous row's {last}")
+      last = n
+    if not _evals(rows):
+      raise CompareError(f"{name}: no held-out eval row with both {GREEDY!r} and {SAMPLED!r} "
+                         "(the runs need train.eval_k >= 2)")
+    budget = r.get("budget_rollouts", data.get("budget_rollouts"))
+    budgets.setdefault(budget, []).append(name)
+    if "warm_start" in r:
+      warm.setdefault(seed, {}).setdefault(r["warm_start"], []).append(name)
+  if len(budgets) > 1:
+    raise CompareError(f"{path}: the arms used different rollout budgets: " + "; ".join(
+        f"{b} for {', '.join(n)}" for b, n in budgets.items()))
+  for seed, digests in warm.items():
+    if len(digests) > 1:
+      raise CompareError(f"{path}: seed {seed}'s runs started from different warm starts: "
+                         + "; ".join(f"{d} for {', '.join(n)}" for d, n in digests.items()))
 
 
 def _evals(rows: list) -> list:
@@ -54,7 +140,8 @@ def run_quantities(rows: list, ref_final_sampled: float) -> dict:
           "rollouts": int(rows[-1]["rollouts"]),
           "reach_rollouts": None if reach is None else int(reach),
           "entropy_onpolicy": _mean_of(rows, "policy/entropy_onpolicy"),
-          "grad_norm": _mean_of(rows, "policy/grad_norm")}
+          "grad_norm": _mean_of(rows, "policy/grad_norm"),
+          "drop_from_start": evaluation.drop_from_start(rows, within_rollouts=DROP_WINDOW)}
 
 
 def paired(arm: list, ref: list) -> dict:
@@ -101,8 +188,8 @@ def verdict(data: dict, reference: str) -> dict:
   for r in data["runs"]:
     runs.setdefault(r["label"], {})[r["seed"]] = r
   if reference not in runs:
-    raise ValueError(f"no run of the reference arm {reference!r} in compare.json "
-                     f"(arms: {sorted(runs)})")
+    raise CompareError(f"no run of the reference arm {reference!r} in compare.json "
+                       f"(arms: {sorted(runs)})")
   complete = sorted(set.intersection(*(set(v) for v in runs.values())))
   per = {}
   for label, by_seed in runs.items():
@@ -110,9 +197,18 @@ def verdict(data: dict, reference: str) -> dict:
     for s in complete:
       ref_final = _evals(runs[reference][s]["rows"])[-1][SAMPLED]
       per[label][s] = run_quantities(by_seed[s]["rows"], ref_final)
+  for label, by_seed in runs.items():
+    for s in complete:
+      per[label][s]["learning_rate"] = by_seed[s].get("learning_rate")
+  drops = {a: max(-(q["drop_from_start"]["greedy"] or 0.0) for q in v.values())
+           for a, v in per.items() if v}
   out = {"reference": reference, "seeds": complete, "variant": data.get("variant"),
          "budget_rollouts": data.get("budget_rollouts"), "command": data.get("command"),
          "partial": data.get("partial"), "note": data.get("note"),
+         "learning_rates": data.get("learning_rates"), "sweep": data.get("sweep"),
+         "recipe": {"max_drop": MAX_DROP, "window_rollouts": DROP_WINDOW,
+                    "largest_greedy_drop": drops,
+                    "holds": all(d <= MAX_DROP + 1e-9 for d in drops.values())},
          "runs": {a: {str(s): q for s, q in v.items()} for a, v in per.items()},
          "claims": {a: claims(per[a], per[reference]) for a in per if a != reference}}
   fbos = [a for a in per if a.startswith("fbos")]
@@ -147,16 +243,22 @@ def markdown(v: dict) -> str:
   lines += [f"Variant `{v['variant']}`, {len(seeds)} seeds {seeds}, budget "
             f"{v['budget_rollouts']} generated rollouts per run; reference `{v['reference']}`.",
             "", f"Command: `{v['command']}`", "",
-            "| arm | final greedy | final sampled (T=1) | rollouts | reach (rollouts; seeds) "
-            "| entropy on-policy | grad norm |", "|---|---|---|---|---|---|---|"]
+            "| arm | learning rate | final greedy | final sampled (T=1) | rollouts "
+            "| reach (rollouts; seeds) | entropy on-policy | grad norm "
+            f"| greedy drop in the first {DROP_WINDOW:,} rollouts (worst seed) |",
+            "|---|---|---|---|---|---|---|---|---|"]
   for arm, by_seed in v["runs"].items():
     q = [by_seed[str(s)] for s in seeds]
     reach = [x["reach_rollouts"] for x in q]
+    lrs = sorted({x.get("learning_rate") for x in q}, key=str)
+    drop = v.get("recipe", {}).get("largest_greedy_drop", {}).get(arm)
     lines.append(
-        f"| `{arm}` | {_ms([x['final_greedy'] for x in q])} | "
+        f"| `{arm}` | {', '.join('n/a' if x is None else f'{x:g}' for x in lrs)} | "
+        f"{_ms([x['final_greedy'] for x in q])} | "
         f"{_ms([x['final_sampled'] for x in q])} | {_ms([x['rollouts'] for x in q])} | "
         f"{_ms(reach)} ({sum(r is not None for r in reach)}/{len(seeds)}) | "
-        f"{_ms([x['entropy_onpolicy'] for x in q])} | {_ms([x['grad_norm'] for x in q])} |")
+        f"{_ms([x['entropy_onpolicy'] for x in q])} | {_ms([x['grad_norm'] for x in q])} | "
+        f"{'n/a' if drop is None else f'{-drop:+.3f}'} |")
   lines += ["", "(mean ± sd over seeds; reach: the rollouts at the first eval, step 0 "
             "included, where the run's sampled accuracy is at least the reference's final "
             "sampled accuracy of the same seed)", "",
@@ -170,11 +272,38 @@ def markdown(v: dict) -> str:
     lines.append(f"| `{arm}` | {cell(c['faster_at_equal_rollouts'])} | "
                  f"{cell(c['higher_ceiling'])} | {cell(c['higher_ceiling_greedy'])} | "
                  f"{cell(c['higher_entropy'])} | {cell(c['lower_grad_norm'])} |")
+  rec = v.get("recipe")
+  if rec:
+    lines += ["", f"Recipe check (no arm's greedy accuracy more than {rec['max_drop']} below the "
+              f"warm start at any eval in its first {rec['window_rollouts']:,} rollouts): "
+              + ("**holds**" if rec["holds"] else "**FAILS** for " + ", ".join(
+                  f"`{a}` ({-d:+.3f})" for a, d in rec["largest_greedy_drop"].items()
+                  if d > rec["max_drop"] + 1e-9)) + "."]
+  if v.get("sweep"):
+    lines += ["", sweep_markdown(v["sweep"], v.get("learning_rates") or {})]
   if "default_fbos" in v:
     dfl = v["default_fbos"]
     lines += ["", f"Default FBOS config: {dfl['why']} (`{dfl['arms'][0]}` - `{dfl['arms'][1]}`: "
               f"d {dfl['d']:+.3f}, band {dfl['band']:.3f})."]
   return "\n".join(lines) + "\n"
+
+
+def sweep_markdown(sweep: dict, picked: dict) -> str:
+  """The learning-rate sweep behind each arm's rate (compare.json's ``sweep``: per
+  arm, per rate, the validation run's final sampled accuracy and its drop)."""
+  lines = ["Learning-rate sweep (one seed, on the validation split; the pick: the best "
+           "final sampled accuracy among the stable rates, ties to the smaller):", "",
+           "| arm | rate | final greedy (valid) | final sampled (valid) | greedy drop | stable |",
+           "|---|---|---|---|---|---|"]
+  for arm, by_lr in sweep.items():
+    for lr, r in sorted(by_lr.items(), key=lambda kv: float(kv[0])):
+      mark = " (picked)" if picked.get(arm) is not None and float(lr) == picked[arm] else ""
+      lines.append(f"| `{arm}` | {float(lr):g}{mark} | {r['final_greedy']:.3f} | "
+                   f"{r['final_sampled']:.3f} | {r['drop_greedy']:+.3f} | "
+                   f"{'yes' if r['stable'] else 'no'} |")
+    if picked.get(arm, 0) is None:
+      lines.append(f"| `{arm}` | none stable: the arm was not run | | | | |")
+  return "\n".join(lines)
 
 
 def plot(data: dict, v: dict, path: str):
@@ -209,9 +338,11 @@ def main(argv):
   del argv
   if not FLAGS.compare:
     raise app.UsageError("--compare=PATH/compare.json is required")
-  with open(FLAGS.compare) as f:
-    data = json.load(f)
-  v = verdict(data, FLAGS.reference)
+  try:
+    data = load_compare(FLAGS.compare)
+    v = verdict(data, FLAGS.reference)
+  except CompareError as e:
+    raise SystemExit(f"launch/verdict.py: {e}") from None
   if FLAGS.command:
     v["command"] = FLAGS.command
   os.makedirs(FLAGS.out, exist_ok=True)
@@ -219,7 +350,7 @@ def main(argv):
     json.dump(v, f, indent=1)
   md = markdown(v)
   with open(os.path.join(FLAGS.out, "verdict.md"), "w") as f:
-    f.write("# The 3-seed verdict (issue 24)\n\n" + md)
+    f.write(f"# The {len(v['seeds'])}-seed verdict\n\n" + md)
   plot(data, v, os.path.join(FLAGS.out, "verdict.png"))
   print(md)
 

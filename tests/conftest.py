@@ -24,6 +24,11 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fbos_jax", "jax_tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# A size bound turns on the cache's file lock around every read and write. Without it an
+# entry is written in place, and a reader in another xdist worker (or another compile-set
+# thread compiling the same program) can read it half-written: XLA then aborts or
+# segfaults deserializing it (seen in CI: test_sft's update, the compile set's threads).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 
 @pytest.fixture

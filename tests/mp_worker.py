@@ -292,6 +292,7 @@ def run_engine():
   from fbos_jax import sampling
   from fbos_jax import sharding as sh
   from fbos_jax.model import qwen
+  from fbos_jax.testing.flips import assert_same_rows
   mesh = sh.make_mesh(EQUIV_MESH)
   cfg = qwen.ModelConfig(model_type="qwen3", vocab_size=97, hidden_size=64,
                          intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -304,7 +305,8 @@ def run_engine():
   rep = NamedSharding(mesh, PartitionSpec())
   params = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, rep, lambda i: x[i]), host)
   prompts = [rng.integers(1, cfg.vocab_size, int(k)).tolist() for k in (5, 9, 2, 7, 4, 11, 3, 6)]
-  mine = prompts[:3] if jax.process_index() == 0 else prompts[3:]
+  first = 0 if jax.process_index() == 0 else 3  # global index of this process's first prompt
+  mine = prompts[first:first + (3 if first == 0 else 5)]
   ecfg = engine_lib.EngineConfig(slots=8, page_size=4, window=4, prefill_chunk=8)
   key = jax.random.key_data(jax.random.key(5))
   out = {"process_index": jax.process_index(), "calls": []}
@@ -319,7 +321,14 @@ def run_engine():
     stats = engine_lib.EngineStats()
     eng = engine_lib.sample(params, cfg, local, key=key, n_per_prompt=2, mesh=mesh,
                             rules=sh.DEFAULT_RULES, engine_config=ecfg, stats=stats, **kw)
+    try:  # this process's rows, proven on its own device (host params, global stream ids)
+      flips, flip_error = len(assert_same_rows(
+          static, eng, host, cfg, key=key, n_per_prompt=2,
+          stream_ids=first + np.arange(len(local)), **kw)), None
+    except AssertionError as e:
+      flips, flip_error = None, str(e)[-3000:]
     out["calls"].append({
+        "flips": flips, "flip_error": flip_error,
         "name": name, "rows": int(eng.num_rows),
         "static_tokens": static.tokens.tolist(), "engine_tokens": eng.tokens.tolist(),
         "static_logprobs": static.logprobs.tolist(), "engine_logprobs": eng.logprobs.tolist(),

@@ -74,33 +74,84 @@ def test_partial_outputs_say_so(tmp_path):
   assert "PARTIAL" not in (tmp_path / "compare.md").read_text()
 
 
+def _identity(cmp, **over):
+  cmp.FLAGS.unparse_flags()
+  cmp.FLAGS(["compare", "--workdir=/unused", "--variant=tiny_chain", "--arms=grpo,fbos",
+             "--lrs=1e-5,3e-5", *[f"--{k}={v}" for k, v in over.items()]])
+  return cmp.identity(256, 5)
+
+
 def test_resume_keeps_finished_runs_and_refuses_another_comparison(tmp_path):
-  """--resume keeps the finished runs of this comparison (and only the requested
-  ones), and refuses a compare.json of another variant or budget, or with an arm
-  defined differently, instead of mixing the two."""
+  """--resume keeps the finished runs (and sweep runs) of this comparison, only the
+  requested ones, and refuses a compare.json whose identity differs in anything
+  that changes a run (variant, budget, --set, --task, the sweep, an arm's
+  definition), naming the field, instead of mixing the two (issue 34: another
+  comparison's runs were kept and reported, exit 0)."""
   cmp = _compare_module()
-  cmp.FLAGS(["compare", f"--workdir={tmp_path}"])
-  arms = {l: __import__("dataclasses").asdict(cmp.ARMS[l]) for l in ("grpo", "fbos")}
+  ident = _identity(cmp)
+  arms = ident["arms"]
   results = [{"label": l, "seed": s, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"}
              for l, s in (("grpo", 0), ("fbos", 0), ("grpo", 1))]
+  sweep = [{"label": "grpo", "seed": 0, "learning_rate": 1e-5, "rows": _rows(2, 128, 0.5, 0.1)}]
   sft = {"eval/accuracy": 0.5, "eval/length": 8.0}
+  cmp.FLAGS(["compare", f"--workdir={tmp_path}"])
   cmp.write_outputs(results, sft, 256, 2, 60.0, quiet=True,
-                    meta={"variant": "tiny_chain", "arms": arms, "partial": "3 of 4 runs"})
-  meta = {"variant": "tiny_chain", "arms": dict(arms)}
-  kept = cmp.resumed_runs(str(tmp_path), meta, ["grpo", "fbos"], [0, 1], 256)
+                    meta={"variant": "tiny_chain", "arms": arms, "partial": "3 of 4 runs",
+                          "identity": ident, "sweep_runs": sweep})
+  meta = {"identity": ident}
+  kept, kept_sweep = cmp.resumed_runs(str(tmp_path), meta, ["grpo", "fbos"], [0, 1])
   assert [(r["label"], r["seed"]) for r in kept] == [("grpo", 0), ("fbos", 0), ("grpo", 1)]
-  assert meta["resumed"]["wall_seconds_before"] == 60.0
-  kept = cmp.resumed_runs(str(tmp_path), dict(meta), ["fbos"], [0], 256)
+  assert kept_sweep == sweep and meta["resumed"]["wall_seconds_before"] == 60.0
+  kept, _ = cmp.resumed_runs(str(tmp_path), dict(meta), ["fbos"], [0])
   assert [(r["label"], r["seed"]) for r in kept] == [("fbos", 0)]
-  with pytest.raises(cmp.app.UsageError, match="variant"):
-    cmp.resumed_runs(str(tmp_path), dict(meta, variant="tiny"), ["grpo"], [0], 256)
-  with pytest.raises(cmp.app.UsageError, match="budget_rollouts"):
-    cmp.resumed_runs(str(tmp_path), dict(meta), ["grpo"], [0], 512)
+  for over, field in (({"variant": "tiny"}, "variant"), ({"set": "optim.weight_decay=0.1"}, "set"),
+                      ({"task": "sort"}, "task"), ({"lrs": "1e-5"}, "lrs"),
+                      ({"shared_warm_start": "true"}, "shared_warm_start")):
+    with pytest.raises(cmp.app.UsageError, match=f"was run with {field}="):
+      cmp.resumed_runs(str(tmp_path), {"identity": _identity(cmp, **over)}, ["grpo"], [0])
+  with pytest.raises(cmp.app.UsageError, match="budget_rollouts=256.*budget_rollouts=512"):
+    cmp.resumed_runs(str(tmp_path), {"identity": dict(ident, budget_rollouts=512)}, ["grpo"], [0])
   other = dict(arms, fbos=dict(arms["fbos"], flavors="fap_all"))
   with pytest.raises(cmp.app.UsageError, match="arm 'fbos'"):
-    cmp.resumed_runs(str(tmp_path), dict(meta, arms=other), ["fbos"], [0], 256)
+    cmp.resumed_runs(str(tmp_path), {"identity": dict(ident, arms=other)}, ["fbos"], [0])
   with pytest.raises(cmp.app.UsageError, match="does not exist"):
-    cmp.resumed_runs(str(tmp_path / "nowhere"), dict(meta), ["grpo"], [0], 256)
+    cmp.resumed_runs(str(tmp_path / "nowhere"), dict(meta), ["grpo"], [0])
+
+
+def test_a_resume_of_another_comparison_is_refused_before_any_training(tmp_path):
+  """The check runs before the warm starts (it used to come after them: minutes of
+  SFT, then the refusal)."""
+  cmp = _compare_module()
+  cmp.FLAGS.unparse_flags()
+  cmp.FLAGS(["compare", f"--workdir={tmp_path}", "--variant=tiny_chain", "--arms=grpo",
+             "--resume", "--budget=256", "--eval_every=5"])
+  (tmp_path / "compare.json").write_text(json.dumps(
+      {"runs": [], "wall_seconds": 1.0, "identity": dict(cmp.identity(256, 5), variant="tiny")}))
+  called = []
+  orig = cmp.warm_starts
+  cmp.warm_starts = lambda seeds: called.append(seeds)
+  try:
+    with pytest.raises(cmp.app.UsageError, match="was run with variant='tiny'"):
+      cmp.main(["compare"])
+  finally:
+    cmp.warm_starts = orig
+  assert not called
+
+
+def test_the_sweep_table_picks_per_arm_and_reports_an_arm_with_no_stable_rate():
+  cmp = _compare_module()
+  runs = []
+  for label, lr, accs in (("grpo", 1e-5, [0.40, 0.39, 0.45]), ("grpo", 3e-5, [0.40, 0.38, 0.50]),
+                          ("fbos", 1e-5, [0.40, 0.30, 0.45]), ("fbos", 3e-5, [0.40, 0.20, 0.5])):
+    rows = [{"step": i, "rollouts": 640 * i, "eval/accuracy": a, "eval/pass@1_sampled": a / 2}
+            for i, a in enumerate(accs)]
+    runs.append({"label": label, "seed": 0, "learning_rate": lr, "rows": rows})
+  table, picks = cmp.sweep_table(runs, ["grpo", "fbos"], [1e-5, 3e-5])
+  assert picks == {"grpo": 3e-5, "fbos": None}
+  assert table["fbos"]["1e-05"]["drop_greedy"] == pytest.approx(-0.10)
+  assert not table["fbos"]["1e-05"]["stable"] and table["grpo"]["3e-05"]["stable"]
+  _, picks = cmp.sweep_table(runs[:1], ["grpo"], [1e-5, 3e-5])
+  assert picks == {}  # an unfinished sweep picks nothing
 
 
 def test_summary_pools_fix_rates_and_labels_equal_step_arms():

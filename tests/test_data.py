@@ -213,6 +213,24 @@ def test_procedural_eval_split_is_disjoint_from_train():
   assert not train & {e["prompt"] for e in evals}
 
 
+@pytest.mark.parametrize("task, difficulty", [("chain", 4), ("sort", 4)])
+def test_the_validation_split_is_new_problems_and_leaves_the_test_set_unchanged(task, difficulty):
+  """The learning-rate sweep's split (issue 33): the next distinct problems of the
+  eval split after the test set's, so a rate is never picked on the test set."""
+  cfg = data.default_data_config()
+  cfg.source, cfg.task, cfg.difficulty, cfg.max_difficulty = "procedural", task, difficulty, difficulty
+  test = data.held_out_examples(cfg, 64)
+  valid = data.held_out_examples(cfg, 64, skip=64)
+  assert len(valid) == 64 == len({e["prompt"] for e in valid})
+  assert not {e["prompt"] for e in test} & {e["prompt"] for e in valid}
+  both = [e["prompt"] for e in data.held_out_examples(cfg, 128)]
+  assert both == [e["prompt"] for e in test + valid]  # the test set as it was, then new ones
+  cfg2 = data.default_data_config()
+  cfg2.source, cfg2.path = "jsonl", "/nonexistent.jsonl"
+  with pytest.raises(ValueError, match="validation split .* only procedural"):
+    data.held_out_examples(cfg2, 8, skip=8)
+
+
 def test_finite_procedural_source_shuffles_and_ends():
   cfg = data.default_data_config()
   cfg.update(dict(num_examples=10, num_epochs=1, drop_remainder=True))

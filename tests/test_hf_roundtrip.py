@@ -500,9 +500,10 @@ def test_qwen3_greedy_generation_matches_transformers(qwen3_dir, qwen3_prompts, 
 
 @pytest.mark.slow  # 45 s - 3.5 min here: a trainer, an orbax checkpoint, two launcher processes
 def test_launchers_with_init_from_hf(qwen3_dir, tmp_path):
-  """A run started from the HF checkpoint with bf16 params is exported and evaluated by
-  launch/export_hf.py and launch/eval.py given only --init_from_hf (no model fields
-  retyped): the export is the source's weights bit for bit, keeps its
+  """A run started from the (bf16) HF checkpoint, its float32 master filled from it, is
+  exported and evaluated by launch/export_hf.py and launch/eval.py given only
+  --init_from_hf (no model fields retyped): the export is in the source's dtype and
+  holds the source's weights bit for bit, keeps its
   max_position_embeddings and generation config, and ships its tokenizer."""
   import subprocess
   import sys
@@ -517,12 +518,12 @@ def test_launchers_with_init_from_hf(qwen3_dir, tmp_path):
     for k, v in overrides.items():
       section, field = k.split(".")
       config[section][field] = v
-  assert config.model.param_dtype == "bfloat16"
+  assert config.model.param_dtype == "float32"
   workdir = str(tmp_path / "run")
   trainer = RLTrainer(config, workdir, log_metrics=False)
   params, _ = load_hf_params(qwen3_dir, trainer.parts.model, mesh=trainer.mesh,
                              rules=sh.rules_dict(config.mesh.rules))
-  assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"}
+  assert {x.dtype.name for x in jax.tree.leaves(params)} == {"float32"}
   trainer.save(trainer.init_state(params), force=True)
   trainer.close()
 

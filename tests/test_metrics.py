@@ -18,3 +18,32 @@ def test_plot_overlays_and_smooths(tmp_path):
 def test_plot_without_known_metrics_names_the_file(tmp_path):
   with pytest.raises(ValueError, match="m.png"):
     metrics_lib.plot_metrics([{"step": 1, "other": 1.0}], str(tmp_path / "m.png"))
+
+
+def test_drop_from_start_is_the_lowest_eval_below_the_start():
+  from fbos_jax.rl.evaluation import drop_from_start
+  rows = [{"step": 0, "rollouts": 0, "eval/accuracy": 0.40, "eval/pass@1_sampled": 0.20},
+          {"step": 1, "rollouts": 128},  # a step without an eval
+          {"step": 5, "rollouts": 640, "eval/accuracy": 0.25, "eval/pass@1_sampled": 0.22},
+          {"step": 20, "rollouts": 2560, "eval/accuracy": 0.10, "eval/pass@1_sampled": 0.12},
+          {"step": 30, "rollouts": 3840, "eval/accuracy": 0.50, "eval/pass@1_sampled": 0.30}]
+  d = drop_from_start(rows)
+  assert d["greedy"] == pytest.approx(-0.30) and d["sampled"] == pytest.approx(-0.08)
+  early = drop_from_start(rows, within_rollouts=2000)  # the first 2,000 rollouts
+  assert early["greedy"] == pytest.approx(-0.15) and early["sampled"] == 0.0
+  assert drop_from_start(rows[:1]) == {"greedy": 0.0, "sampled": 0.0}
+  assert drop_from_start([{"step": 0, "eval/accuracy": 0.3}])["sampled"] is None
+  with pytest.raises(ValueError, match="rollouts"):
+    drop_from_start([{"step": 0, "eval/accuracy": 0.3}], within_rollouts=10)
+
+
+def test_the_sweep_picks_the_best_stable_rate_and_refuses_when_none_is_stable():
+  from fbos_jax.rl.evaluation import pick_learning_rate
+  sweep = {"1e-05": {"final_sampled": 0.25, "drop_greedy": -0.01},
+           "3e-05": {"final_sampled": 0.30, "drop_greedy": -0.02},
+           "1e-04": {"final_sampled": 0.35, "drop_greedy": -0.15}}  # best, but unstable
+  assert pick_learning_rate(sweep) == 3e-5
+  sweep["3e-05"]["final_sampled"] = 0.25  # a tie: the smaller rate
+  assert pick_learning_rate(sweep) == 1e-5
+  assert pick_learning_rate({"1e-05": {"final_sampled": 0.3, "drop_greedy": -0.04},
+                             "3e-05": {"final_sampled": 0.3, "drop_greedy": -0.2}}) is None

@@ -263,8 +263,9 @@ def test_unreachable_coordinator_and_missing_peers_time_out(bad_input_runs):
 def test_engine_equals_static_in_two_processes(tmp_path):
   """2 processes x 4 devices, data=8: each process samples its own prompts (3 and 5;
   then 3 and none) with the static sampler and with the continuous engine: the
-  same rows (greedy; sampled up to a float-flipped draw), each process gets only
-  its own, and both processes ran the same number of windows (lockstep)."""
+  same rows (greedy exactly; sampled up to flips each worker proves to be near-ties,
+  fbos_jax.testing.flips), each process gets only its own, and both processes ran
+  the same number of windows (lockstep)."""
   port = free_port()
   procs = [launch(["--mode=engine", f"--process_id={i}", "--num_processes=2",
                    f"--coordinator=127.0.0.1:{port}", "--timeout_s=90",
@@ -277,15 +278,9 @@ def test_engine_equals_static_in_two_processes(tmp_path):
     for call in h["calls"]:
       name = call["name"]
       assert call["rows"] == 2 * local_prompts[name][h["process_index"]], (name, call["rows"])
-      st, en = np.asarray(call["static_tokens"]), np.asarray(call["engine_tokens"])
-      flips = int((st != en).any(axis=1).sum()) if st.size else 0
-      assert flips == 0 if name == "greedy" else flips <= 1, (name, flips)
-      same = ~(st != en).any(axis=1) if st.size else np.zeros((0,), bool)
-      if same.any():
-        np.testing.assert_allclose(np.asarray(call["engine_logprobs"])[same],
-                                   np.asarray(call["static_logprobs"])[same], atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(call["engine_lengths"])[same],
-                                      np.asarray(call["static_lengths"])[same])
+      assert call["flip_error"] is None, (name, call["flip_error"])
+      assert call["flips"] == 0 or name != "greedy", (name, call["flips"])
+      print(f"process {h['process_index']} {name}: {call['flips']} proven near-tie flips")
   for c0, c1 in zip(hosts[0]["calls"], hosts[1]["calls"]):
     assert c0["stats"]["windows"] == c1["stats"]["windows"] > 0  # every window together
     assert c0["stats"]["prefills"] == c1["stats"]["prefills"]

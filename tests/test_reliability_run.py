@@ -124,3 +124,6 @@ def test_summary_after_a_resume_keeps_the_start_eval_and_the_whole_rl_time(tmp_p
   saved = json.load(open(os.path.join(tmp_path, "summary.json")))
   assert saved["eval_start"] is not None
   assert saved["rl_seconds"] > 0
+  drop = saved["held_out/drop_from_start"]  # the start and the end eval (eval_every=0)
+  assert drop["greedy"] == pytest.approx(min(0.0, saved["eval_end"] - saved["eval_start"]))
+  assert drop["sampled"] is None  # eval_k=1: no T=1 eval was made, none is invented

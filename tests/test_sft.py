@@ -115,6 +115,7 @@ def test_self_corrections_start_mid_run_and_the_recipe_is_fingerprinted(tmp_path
 
 def _two_stages(tmp_path, **over):
   return _setup(tmp_path, **{
+      "sft.steps": 6,  # the stages' total
       "sft.stages": ({"name": "demos", "steps": 3, "learning_rate": 2e-3, "fap_fraction": 0.0},
                      {"name": "fixes", "steps": 3, "learning_rate": 1e-3, "warmup_steps": 1,
                       "fap_fraction": 0.75, "corrections": "self",
@@ -181,6 +182,7 @@ def test_stages_run_in_order_and_a_stopped_warm_start_resumes(tmp_path, monkeypa
   assert cached and calls == []
   # a changed second stage: stage 1's cache is still good, the final one refuses
   c.sft.stages = (c.sft.stages[0], dict(c.sft.stages[1], steps=4))
+  c.sft.steps = 7
   with pytest.raises(ValueError, match=r"(?s)different config.*sft\.stages: cached"):
     sft.warm_start(c, tr.ctx, state, cache_dir=str(tmp_path / "stopped"))
   tr.close()

@@ -98,7 +98,7 @@ def test_two_fbos_arms_pick_the_default_only_beyond_the_band():
 
 
 def test_missing_reference_is_refused_by_name():
-  with pytest.raises(ValueError, match="no run of the reference arm 'grpo'"):
+  with pytest.raises(V.CompareError, match="no run of the reference arm 'grpo'"):
     V.verdict(_data([_run("fbos", 0, [0.2, 0.3])]), "grpo")
 
 
@@ -112,3 +112,75 @@ def test_cli_writes_json_md_png(tmp_path):
     V.main(["verdict"])
   assert json.loads((out / "verdict.json").read_text())["seeds"] == [0, 1]
   assert (out / "verdict.png").stat().st_size > 0 and "| `fbos` |" in (out / "verdict.md").read_text()
+
+
+# ------------------------------------------------------------- bad input (issue 34, item 1)
+def _write(tmp_path, data, text=None):
+  p = tmp_path / "compare.json"
+  p.write_text(text if text is not None else json.dumps(data))
+  return str(p)
+
+
+def _good():
+  return _data([_run(a, s, [0.2, 0.3]) for a in ("grpo", "fbos") for s in range(2)])
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d["runs"][1]["rows"][-1].update({"eval/accuracy": 7.5}),
+     r"runs\[1\] \(arm 'grpo', seed 1\): rows\[2\]\['eval/accuracy'\] = 7.5, not an accuracy"),
+    (lambda d: d["runs"][2]["rows"][0].update({"eval/pass@1_sampled": float("nan")}),
+     r"runs\[2\] \(arm 'fbos', seed 0\): rows\[0\]\['eval/pass@1_sampled'\] = nan"),
+    (lambda d: d["runs"][0]["rows"][0].update({"eval/accuracy": "0.4"}),
+     r"rows\[0\]\['eval/accuracy'\] = '0.4', not an accuracy"),
+    (lambda d: d["runs"].append(dict(d["runs"][0])),
+     r"runs\[4\] \(arm 'grpo', seed 0\): a second run of this arm and seed \(the first is runs\[0\]\)"),
+    (lambda d: d["runs"][3].pop("label"), r"runs\[3\]: no 'label'"),
+    (lambda d: d["runs"][3].update({"rows": []}), r"runs\[3\] \(arm 'fbos', seed 1\): no 'rows'"),
+    (lambda d: [r.pop("eval/pass@1_sampled", None) for r in d["runs"][0]["rows"]],
+     r"runs\[0\] \(arm 'grpo', seed 0\): no held-out eval row with both"),
+    (lambda d: d["runs"][2].update({"budget_rollouts": 2560}),
+     r"different rollout budgets: 1280 for .*'grpo'.*; 2560 for .*runs\[2\] \(arm 'fbos'"),
+    (lambda d: [r.update({"warm_start": "aaaa" if r["label"] == "grpo" else "bbbb"})
+                for r in d["runs"]],
+     r"seed 0's runs started from different warm starts: aaaa for .*'grpo'.*; bbbb for .*'fbos'"),
+    (lambda d: d.update({"runs": []}), r"'runs' is empty"),
+])
+def test_impossible_comparisons_are_refused_naming_file_run_and_key(tmp_path, mutate, match):
+  """Each of these was judged (exit 0) or crashed with a bare traceback before:
+  an accuracy of 7.5 (d = +6.9), a NaN turned into 'refuted', a second run of
+  the same arm and seed replacing the first, a string accuracy (TypeError), a run
+  without a label (KeyError), an empty run, rows without the T=1 accuracy
+  (IndexError), different budgets or warm starts."""
+  data = _good()
+  mutate(data)
+  path = _write(tmp_path, data)
+  with pytest.raises(V.CompareError, match=match) as e:
+    V.load_compare(path)
+  assert str(e.value).startswith(path)
+
+
+def test_a_truncated_file_names_the_path_and_the_cli_exits_with_the_message(tmp_path):
+  path = _write(tmp_path, None, text=json.dumps(_good())[:300])
+  with pytest.raises(V.CompareError, match=r"compare.json: not valid JSON at line 1.*truncated"):
+    V.load_compare(path)
+  from absl.testing import flagsaver
+  with flagsaver.flagsaver(compare=path, out=str(tmp_path / "out")):
+    V.FLAGS(["verdict"], known_only=True)
+    with pytest.raises(SystemExit, match="launch/verdict.py: .*compare.json: not valid JSON"):
+      V.main(["verdict"])
+
+
+def test_the_recipe_check_reports_a_drop_beyond_the_bound_in_the_first_2000_rollouts():
+  """A run that falls 0.15 below its warm start at 640 rollouts fails the recipe
+  check, though it ends higher; a fall after the window does not count."""
+  runs = [_run("grpo", s, [0.4, 0.25, 0.45, 0.5]) for s in range(2)]  # evals at 0, 640, ...
+  runs += [_run("fbos", s, [0.4, 0.39, 0.45, 0.2]) for s in range(2)]  # 0.2 at 1920: in
+  runs += [_run("golf", s, [0.4, 0.41, 0.42, 0.43, 0.1]) for s in range(2)]  # 0.1 at 2560: out
+  v = V.verdict(_data(runs), "grpo")
+  rec = v["recipe"]
+  assert rec["largest_greedy_drop"]["grpo"] == pytest.approx(0.15)
+  assert rec["largest_greedy_drop"]["fbos"] == pytest.approx(0.2)
+  assert rec["largest_greedy_drop"]["golf"] == pytest.approx(0.0)
+  assert not rec["holds"]
+  assert v["runs"]["grpo"]["0"]["drop_from_start"]["greedy"] == pytest.approx(-0.15)
+  assert "**FAILS** for `grpo` (-0.150), `fbos` (-0.200)" in V.markdown(v)

@@ -28,10 +28,10 @@ Pieces: :mod:`.types` (config, requests, stats), :mod:`.pages` (host free lists)
 """
 
 from fbos_jax.engine.pages import PageAllocator
-from fbos_jax.engine.runner import Engine, run, sample
+from fbos_jax.engine.runner import Engine, PoolLayout, pool_layout, run, sample
 from fbos_jax.engine.types import (EngineConfig, EngineError, EngineStats, Feed, FinishedRow,
                                    ListFeed, ParamsSource, Request, is_params_source)
 
 __all__ = ["Engine", "EngineConfig", "EngineError", "EngineStats", "Feed", "FinishedRow",
-           "ListFeed", "PageAllocator", "ParamsSource", "Request", "is_params_source", "run",
-           "sample"]
+           "ListFeed", "PageAllocator", "ParamsSource", "PoolLayout", "Request", "is_params_source",
+           "pool_layout", "run", "sample"]

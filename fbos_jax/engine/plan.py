@@ -24,17 +24,18 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fbos_jax import sampling
 from fbos_jax import sharding as sh
 from fbos_jax.engine import programs
-from fbos_jax.engine.runner import Engine, pow2_buckets
+from fbos_jax.engine.runner import Engine
 from fbos_jax.engine.types import EngineConfig
 from fbos_jax.model import qwen
 
 
 def abstract_params(cfg: qwen.ModelConfig, mesh, rules):
-  """ShapeDtypeStructs of the params, sharded by the logical rules on ``mesh``."""
+  """ShapeDtypeStructs of the params the engine reads (the compute copy, in
+  ``cfg.compute_dtype``), sharded by the logical rules on ``mesh``."""
   abstract = qwen.abstract_params(cfg)
   rules = rules if isinstance(rules, dict) else sh.rules_dict(rules)
   specs = sh.tree_specs(qwen.param_logical_axes(cfg), rules, abstract, mesh)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, cfg.dtype,
                                                         sharding=NamedSharding(mesh, s)),
                       abstract, specs, is_leaf=lambda x: isinstance(x, P))
 
@@ -45,7 +46,7 @@ def copies_bucket(eng: Engine, n_per_prompt: int) -> int:
   shard) share its full pages and each but one gets a private copy of its
   partial last page (the runner's bucket; 0 when a prompt has one sample)."""
   most = min(int(n_per_prompt), eng.sps + eng.qs) - 1
-  return min(b for b in pow2_buckets(eng.sps + eng.qs) if b >= most) if most > 0 else 0
+  return min(b for b in eng.copies_buckets if b >= most) if most > 0 else 0
 
 
 def abstract_programs(cfg: qwen.ModelConfig, scfg: sampling.SamplingConfig,

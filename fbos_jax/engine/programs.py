@@ -26,8 +26,8 @@ cannot partition the Pallas kernel anyway).
 
 Window (``W = EngineConfig.window`` steps at most, no host round trip): every
 step feeds each live slot's last token at its position, draws the next token
-with ``sampling._choose`` from ``u = uniform(fold_in(fold_in(key_row, t_row),
-sid_row))`` (t_row the row's own step: the static sampler's key contract) and
+with ``sampling._choose`` from ``u = sampling.key_uniform(key_row, t_row,
+sid_row)`` (t_row the row's own step: the static sampler's key contract) and
 stops a row on a stop token or at its ``limit``. A slot whose row stopped takes
 the next staged row of its shard (already prefilled; at most
 ``EngineConfig.swaps_per_step`` per shard and step). ``sources`` says which row
@@ -38,8 +38,9 @@ the host passes B + 1 when no request waits), or once the staged rows are all
 taken and every shard's live slots fit ``shrink_to`` rows (the next smaller
 row bucket; -1 = off).
 
-Attention: with the Pallas kernel (TPU) every step writes the new key/value
-into its page and the kernel reads the pages in place. On the XLA path (CPU,
+Attention: with the Pallas kernel (TPU; ``pallas_interpret``: the same kernel
+in the Pallas TPU interpreter on CPU, for tests) every step writes the new
+key/value into its page and the kernel reads the pages in place. On the XLA path (CPU,
 GPU) a per-step gather of every row's pages cost ~8x a static-sampler step on
 CPU, so the window gathers the slots' (and staged rows') pages once into a
 dense per-row cache (the static sampler's layout, [B, K, Dh, pb * page_size]),
@@ -86,7 +87,7 @@ class Static:
   pad_id: int
   unroll: bool
   cache_dtype: Optional[str]
-  impl: str  # "xla" | "pallas"
+  impl: str  # "xla" | "pallas" | "pallas_interpret" (the kernel in the TPU interpreter)
   shards: int
   bias: bool
   device_kind: Optional[str]  # target chip (Pallas block sizes)
@@ -444,10 +445,8 @@ class _Win:
     logits = sampling.add_logit_bias(logits, rs.get("bias"))
     u = None
     if not st.greedy:
-      keys = _u32(rs["ints"][:, 4:6])
-      u = jax.vmap(lambda k, t, s: jax.random.uniform(
-          jax.random.fold_in(jax.random.fold_in(k, t), s), (), jnp.float32))(
-              keys, rs["ints"][:, _STEP], _u32(rs["ints"][:, 6]))
+      u = jax.vmap(sampling.key_uniform)(_u32(rs["ints"][:, 4:6]), rs["ints"][:, _STEP],
+                                         _u32(rs["ints"][:, 6]))
     return sampling._choose(logits, None, self.temperature, self.top_p, greedy=st.greedy,
                             top_k=st.top_k, use_top_p=st.use_top_p, u=u)
 
@@ -584,7 +583,8 @@ def get_fn(kind: str, cfg: qwen.ModelConfig, st: Static, *, mesh=None, rules=Non
   (model config, static options, mesh, rules) and cached; one compile per shape
   bucket."""
   key = (kind, cfg, st, mesh, _rules_key(rules), pages_per_shard if kind == "init" else 0)
-  return _PROGRAMS.get(key, lambda: _build(kind, cfg, st, mesh, rules, pages_per_shard))
+  return _PROGRAMS.get(key, lambda: _build(kind, cfg, st, mesh, rules, pages_per_shard),
+                       name=f"engine {kind}")
 
 
 def _build(kind, cfg, st, mesh, rules, pages_per_shard):

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import time
 from typing import Optional, Sequence, Union
@@ -76,12 +77,15 @@ from fbos_jax.model import qwen
 _NULL = PA.NULL_PAGE
 
 
-def pow2_buckets(cap: int, start: int = 1) -> tuple:
-  """start, 2*start, 4*start, ... below cap, and cap itself."""
+def bucket_ladder(cap: int, start: int = 1, growth: int = 2) -> tuple:
+  """start, g*start, g^2*start, ... below cap, and cap itself (g = ``growth``,
+  ``engine.bucket_growth``: 2 = powers of two; 0 = cap alone)."""
+  if int(growth) == 0:
+    return (int(cap),)
   out, b = [], max(1, int(start))
   while b < cap:
     out.append(b)
-    b *= 2
+    b *= max(int(growth), 2)
   return tuple(out) + (int(cap),)
 
 
@@ -134,6 +138,61 @@ class _Waiting:
     self.req, self.prompt, self.js, self.key, self.bias, self.limit = req, prompt, js, key, bias, limit
 
 
+class PoolLayout(collections.namedtuple("PoolLayout", (
+    "slots_per_shard", "staged_per_shard", "max_prompt", "row_pages", "stage_pages",
+    "pages_needed", "pages_per_shard", "row_buckets", "page_buckets"))):
+  """The engine's page pool per batch shard (:func:`pool_layout`)."""
+
+
+def pool_layout(e: EngineConfig, s, shards: int = 1, nproc: int = 1) -> PoolLayout:
+  """The page pool of an engine with engine config ``e`` and sampling config ``s``
+  (its ``max_new_tokens`` R and ``prompt_buckets``) over ``shards`` batch shards on
+  ``nproc`` processes: the arithmetic is known before any program is built, so a
+  run checks it at start (``fbos_jax/rl/context.py``). Raises EngineError naming
+  the fields when the slots do not divide over the shards, the pool
+  (``engine.num_pages``) is smaller than the rows need, or a bucket list does not
+  reach its size."""
+  e = e.validate()
+  if e.slots % shards:
+    raise EngineError(f"engine.slots={e.slots} must be a multiple of the mesh's "
+                      f"{shards} batch shards (dcn*data*fsdp).")
+  if shards % nproc:
+    raise EngineError(f"the mesh's {shards} batch shards do not divide over "
+                      f"{nproc} processes.")
+  sps = e.slots // shards  # slots per shard
+  staged = e.slots if e.staged == -1 else int(e.staged)
+  if staged % shards:
+    raise EngineError(f"engine.staged={e.staged} must be a multiple of the mesh's "
+                      f"{shards} batch shards.")
+  qs = staged // shards  # staged rows per shard
+  r = int(s.max_new_tokens)
+  max_prompt = int(e.max_prompt_len or max(int(b) for b in s.prompt_buckets))
+  ps = e.page_size
+  row_pages = -(-(max_prompt + r - 1) // ps)  # pages of the longest row
+  stage_pages = -(-(max_prompt + min(e.window, r) - 1) // ps)
+  need = sps * row_pages + qs * stage_pages + 1
+  if e.num_pages and e.num_pages < need:
+    raise EngineError(
+        f"engine.num_pages={e.num_pages} per batch shard is too small: {sps} slots per "
+        f"shard (engine.slots={e.slots} over {shards} shard(s)) x {row_pages} pages "
+        f"per row (prompt {max_prompt} + max_new_tokens {r} - 1 tokens at "
+        f"engine.page_size={ps}) + {qs} staged rows per shard (engine.staged) x "
+        f"{stage_pages} pages (prompt + one window) + 1 null page = {need}. Raise "
+        "engine.num_pages (or 0 for that size), or lower engine.slots / engine.staged / "
+        "sampling.max_new_tokens / the prompt length.")
+  grow = int(e.bucket_growth)
+  row_buckets = tuple(e.row_buckets) or bucket_ladder(sps, 1, grow)
+  page_buckets = tuple(e.page_buckets) or bucket_ladder(row_pages, 1, grow)
+  if max(row_buckets) < sps:
+    raise EngineError(f"engine.row_buckets={e.row_buckets} must reach the {sps} slots "
+                      "per batch shard.")
+  if max(page_buckets) < row_pages:
+    raise EngineError(f"engine.page_buckets={e.page_buckets} must reach {row_pages} "
+                      "pages (the longest row).")
+  return PoolLayout(sps, qs, max_prompt, row_pages, stage_pages, need,
+                    int(e.num_pages or need), row_buckets, page_buckets)
+
+
 class Engine:
   """The continuous-batching engine for one model / sampling / engine config / mesh.
 
@@ -150,40 +209,21 @@ class Engine:
     e, s = self.ecfg, self.scfg
     self.nproc = sampling._mesh_processes(mesh)
     self.shards = sh.batch_shard_count(mesh, self.rules) if mesh is not None else 1
-    if e.slots % self.shards:
-      raise EngineError(f"engine.slots={e.slots} must be a multiple of the mesh's "
-                        f"{self.shards} batch shards (dcn*data*fsdp).")
-    if self.shards % self.nproc:
-      raise EngineError(f"the mesh's {self.shards} batch shards do not divide over "
-                        f"{self.nproc} processes.")
-    self.sps = e.slots // self.shards  # slots per shard
-    staged = e.slots if e.staged == -1 else int(e.staged)
-    if staged % self.shards:
-      raise EngineError(f"engine.staged={e.staged} must be a multiple of the mesh's "
-                        f"{self.shards} batch shards.")
-    self.qs = staged // self.shards  # staged rows per shard
-    self.local_shards = self.shards // self.nproc
-    self.R = int(s.max_new_tokens)
-    self.max_prompt = int(e.max_prompt_len or max(int(b) for b in s.prompt_buckets))
+    lay = pool_layout(e, s, self.shards, self.nproc)
+    self.sps, self.qs, self.local_shards = lay.slots_per_shard, lay.staged_per_shard, \
+        self.shards // self.nproc
+    self.R, self.max_prompt = int(s.max_new_tokens), lay.max_prompt
+    self.row_pages, self.stage_pages = lay.row_pages, lay.stage_pages
+    self.pages_per_shard = lay.pages_per_shard
     ps = e.page_size
-    self.row_pages = -(-(self.max_prompt + self.R - 1) // ps)  # pages of the longest row
-    self.stage_pages = -(-(self.max_prompt + min(e.window, self.R) - 1) // ps)
-    need = self.sps * self.row_pages + self.qs * self.stage_pages + 1
-    if e.num_pages and e.num_pages < need:
-      raise EngineError(
-          f"engine.num_pages={e.num_pages} per batch shard is too small: {self.sps} slots per "
-          f"shard (engine.slots={e.slots} over {self.shards} shard(s)) x {self.row_pages} pages "
-          f"per row (prompt {self.max_prompt} + max_new_tokens {self.R} - 1 tokens at "
-          f"engine.page_size={ps}) + {self.qs} staged rows per shard (engine.staged) x "
-          f"{self.stage_pages} pages (prompt + one window) + 1 null page = {need}. Raise "
-          "engine.num_pages (or 0 for that size), or lower engine.slots / engine.staged / "
-          "sampling.max_new_tokens / the prompt length.")
-    self.pages_per_shard = int(e.num_pages or need)
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     device_kind = mesh.devices.flat[0].device_kind if mesh is not None else None
-    impl = PA.choose(e.attention, platform)
+    try:
+      impl = PA.choose(e.attention, platform, cfg.head_dim)
+    except ValueError as err:
+      raise EngineError(str(err)) from None
     unroll = {"unroll": True, "scan": False}.get(s.layer_loop, platform == "cpu")
-    if impl == "pallas":
+    if impl in PA.KERNEL_IMPLS:
       unroll = True  # the kernel reads one pool array per layer in place
     self.st = programs.Static(
         page_size=ps, window=int(e.window), greedy=s.is_greedy, top_k=int(s.top_k),
@@ -193,16 +233,13 @@ class Engine:
         bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None,
         swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps,
         vocab_limit=int(s.vocab_limit))
-    self.row_buckets = tuple(e.row_buckets) or pow2_buckets(self.sps)
-    self.page_buckets = tuple(e.page_buckets) or pow2_buckets(self.row_pages)
-    self.prefill_buckets = tuple(e.prefill_buckets) or pow2_buckets(e.prefill_chunk, 16)
+    self.row_buckets, self.page_buckets = lay.row_buckets, lay.page_buckets
+    grow = int(e.bucket_growth)
+    self.prefill_buckets = tuple(e.prefill_buckets) or bucket_ladder(e.prefill_chunk, 16, grow)
+    # a prompt's samples on one shard: up to its slots + staged places, one copy less
+    # (never one bucket: each copy is written, so few samples must not pay for many)
+    self.copies_buckets = bucket_ladder(self.sps + self.qs, 1, grow or 2)
     self.chunk = min(int(e.prefill_chunk), max(self.prefill_buckets))
-    if max(self.row_buckets) < self.sps:
-      raise EngineError(f"engine.row_buckets={e.row_buckets} must reach the {self.sps} slots "
-                        "per batch shard.")
-    if max(self.page_buckets) < self.row_pages:
-      raise EngineError(f"engine.page_buckets={e.page_buckets} must reach {self.row_pages} "
-                        "pages (the longest row).")
     self.pages = PageAllocator(self.local_shards, self.pages_per_shard)
     self.stop_ids = set(int(t) for t in s.stop_token_ids)
 
@@ -321,30 +358,35 @@ class Engine:
     bp = _bucket(g[0], self.row_buckets, "prefill rows", "engine.row_buckets")
     c = _bucket(g[1], self.prefill_buckets, "prefill chunk", "engine.prefill_buckets")
     pb = _bucket(g[2], self.page_buckets, "page-table width", "engine.page_buckets")
-    # a prompt's samples on one shard: up to its slots + staged places, one copy less
-    nc = _bucket(g[3], pow2_buckets(self.sps + self.qs), "page copies", "") if g[3] else 0
-    n = self.local_shards * bp
-    tok = np.full((n, c), self.scfg.pad_id, np.int32)
-    start = np.zeros((n,), np.int32)
-    nvalid = np.zeros((n,), np.int32)
-    table = np.full((n, pb), _NULL, np.int32)
-    tail = np.full((n,), -1, np.int32)
-    copies = np.full((n, nc), _NULL, np.int32)
+    nc = _bucket(g[3], self.copies_buckets, "page copies", "") if g[3] else 0
+    a = self._prefill_arrays(bp, c, pb, nc)
     for s, ps_list in enumerate(per_shard):
       for i, p in enumerate(ps_list):
         r = s * bp + i
         k = min(self.chunk, p.tokens.size - p.done)
-        tok[r, :k] = p.tokens[p.done:p.done + k]
-        start[r], nvalid[r] = p.done, k
+        a["tokens"][r, :k] = p.tokens[p.done:p.done + k]
+        a["start"][r], a["n_valid"][r] = p.done, k
         used = p.pages[:pb]
-        table[r, :len(used)] = used
+        a["table"][r, :len(used)] = used
         if p.copies:
-          tail[r] = len(p.pages) - 1
-          copies[r, :len(p.copies)] = p.copies
+          a["tail"][r] = len(p.pages) - 1
+          a["copies"][r, :len(p.copies)] = p.copies
     with self._mesh_ctx():
-      return self._fn("prefill")(params, pool, self._put(tok), self._put(start),
-                                 self._put(nvalid), self._put(table), self._put(tail),
-                                 self._put(copies))
+      return self._fn("prefill")(*self._prefill_args(params, pool, a))
+
+  def _prefill_arrays(self, bp: int, c: int, pb: int, nc: int) -> dict:
+    """Host arrays of one prefill call (``bp`` rows per shard, ``c``-token chunk,
+    page tables ``pb`` wide, ``nc`` page copies), every row empty."""
+    n = self.local_shards * bp
+    return dict(tokens=np.full((n, c), self.scfg.pad_id, np.int32),
+                start=np.zeros((n,), np.int32), n_valid=np.zeros((n,), np.int32),
+                table=np.full((n, pb), _NULL, np.int32), tail=np.full((n,), -1, np.int32),
+                copies=np.full((n, nc), _NULL, np.int32))
+
+  def _prefill_args(self, params, pool, a: dict) -> tuple:
+    """The prefill program's arguments: the arrays ``a`` on the mesh."""
+    return (params, pool) + tuple(self._put(a[k]) for k in ("tokens", "start", "n_valid",
+                                                             "table", "tail", "copies"))
 
   def _mesh_ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -449,6 +491,21 @@ class Engine:
                 table=np.full((m, pb), _NULL, np.int32),
                 bias=np.zeros((m, self.cfg.vocab_size), np.float32) if self.st.bias else None)
 
+  def _window_args(self, params, pool, sa: dict, qa: dict, live, count, min_idle: int,
+                   shrink_to: int) -> list:
+    """The window program's arguments: slot arrays ``sa`` and staged arrays ``qa``
+    (:meth:`_window_arrays`), ``live`` [slots], ``count`` [shards] on the mesh."""
+    put = self._put
+    args = [params, pool] + [put(sa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids")]
+    args += [put(live), put(sa["table"])]
+    args += [put(qa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids", "table")]
+    args += [put(count), np.float32(1.0 if self.scfg.is_greedy else self.scfg.temperature),
+             np.float32(self.scfg.top_p), sampling.stop_id_array(self.scfg.stop_token_ids),
+             np.int32(min_idle), np.int32(shrink_to)]
+    if self.st.bias:
+      args += [put(sa["bias"]), put(qa["bias"])]
+    return args
+
   @staticmethod
   def _fill(a: dict, k: int, r: _Row):
     """Row ``r``'s state into slot ``k`` of the arrays ``a``."""
@@ -500,15 +557,7 @@ class Engine:
     n = self.local_shards * rb
     min_idle, shrink_to = self._window_knobs(g, rb)
     sa, qa, live, count, slot_rows, staged_rows = self._window_inputs(rows, rb, qb, pb)
-    put = self._put
-    args = [params, pool] + [put(sa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids")]
-    args += [put(live), put(sa["table"])]
-    args += [put(qa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids", "table")]
-    args += [put(count), np.float32(1.0 if self.scfg.is_greedy else self.scfg.temperature),
-             np.float32(self.scfg.top_p), sampling.stop_id_array(self.scfg.stop_token_ids),
-             np.int32(min_idle), np.int32(shrink_to)]
-    if self.st.bias:
-      args += [put(sa["bias"]), put(qa["bias"])]
+    args = self._window_args(params, pool, sa, qa, live, count, min_idle, shrink_to)
     t0 = time.perf_counter()
     with self._mesh_ctx():
       pool, toks, lps, srcs, final, nxt, steps = self._fn("window")(*args)
@@ -582,6 +631,91 @@ class Engine:
                          stopped=bool(r.tokens) and r.tokens[-1] in self.stop_ids,
                          first_window=r.first_window, last_window=window,
                          versions=np.asarray(r.versions, np.int64)))
+
+  # ------------------------------------------------------------------------- compile set
+
+  def program_shapes(self, n_max: int = 1, *, recompute: bool = False) -> list:
+    """Every program shape a run of this engine can call, from its buckets:
+    ``("init",)``, ``("window", rows, staged, pages)`` and ``("prefill", rows,
+    chunk, pages, copies)`` (rows and staged per batch shard, as the runner picks
+    them). ``n_max``: the most samples one request asks for (a prompt's samples
+    on one shard share its pages, each but one with a copy of its partial last
+    page); ``recompute``: in-flight weight updates redo the cache of rows in
+    flight (``rl.inflight_update=recompute``: longer prefills, no copies).
+
+    Only combinations a run can reach: staged rows only at the largest row
+    bucket (a shard stages rows only once its slots are full), and a prefill
+    call's chunk and page-table width both follow from the longest prompt in the
+    call and the chunk's index (the calls of one round prefill the same chunk
+    index of every prompt)."""
+    bk = lambda n, bks: _bucket(n, bks, "", "")
+    top = bk(self.sps, self.row_buckets)
+    rows = sorted(b for b in set(self.row_buckets) if b <= top)
+    page_top = bk(self.row_pages, self.page_buckets)
+    pages = sorted(b for b in set(self.page_buckets) if b <= page_top)
+    out = [("init",)]
+    for rb in rows:
+      for qb in ((0, self.qs) if self.qs and rb == top else (0,)):
+        out += [("window", rb, qb, pb) for pb in pages]
+    ch, ps = self.chunk, self.st.page_size
+
+    def chunks(longest: int) -> list:  # (chunk bucket, page bucket) of prompts up to `longest`
+      pairs = {(bk(ch, self.prefill_buckets), bk(-(-(k + 1) * ch // ps), self.page_buckets))
+               for k in range(-(-longest // ch) - 1)}  # a chunk before a prompt's last
+      for f in range(1, longest + 1):  # the last chunk of an f-token prefill
+        k = (f - 1) // ch
+        pairs.add((bk(f - k * ch, self.prefill_buckets), bk(-(-f // ps), self.page_buckets)))
+      return sorted(pairs)
+
+    prows = [b for b in rows if b <= bk(min(top, self.sps + self.qs), self.row_buckets)]
+    most = min(int(n_max), self.sps + self.qs) - 1  # page copies of one prompt's samples
+    copies = [0] + sorted({bk(t, self.copies_buckets) for t in range(1, most + 1)})
+    seen = set()
+    for longest, ncs in ((self.max_prompt - 1, copies),
+                         (self.max_prompt + self.R - 1 if recompute else 0, [0])):
+      for c, pb in chunks(longest):
+        for bp in prows:
+          for nc in ncs:
+            if ("prefill", bp, c, pb, nc) not in seen:
+              seen.add(("prefill", bp, c, pb, nc))
+              out.append(("prefill", bp, c, pb, nc))
+    return out
+
+  def program_args(self, shape: tuple, params, pool) -> tuple:
+    """(jitted program, its arguments as a run passes them, every row idle) of one
+    :meth:`program_shapes` entry: what a compile set lowers before the run."""
+    kind = shape[0]
+    if kind == "init":
+      return self._fn("init"), ()
+    if kind == "window":
+      _, rb, qb, pb = shape
+      n = self.local_shards * rb
+      sa, qa = self._window_arrays(n, pb), self._window_arrays(self.local_shards * qb, pb)
+      return self._fn("window"), tuple(self._window_args(
+          params, pool, sa, qa, np.zeros((n,), bool), np.zeros((self.local_shards,), np.int32),
+          1, -1))
+    if kind == "prefill":
+      _, bp, c, pb, nc = shape
+      return self._fn("prefill"), self._prefill_args(params, pool,
+                                                       self._prefill_arrays(bp, c, pb, nc))
+    raise ValueError(f"unknown engine program {shape!r}")
+
+  def compile_jobs(self, params, shapes: Sequence[tuple]) -> list:
+    """One thunk per program of ``shapes`` (:meth:`program_shapes`) that lowers
+    and compiles it with the arguments the run passes, so the run's calls find it
+    compiled (any order, any thread). Allocates the page pool once, to read its
+    placement, and compiles the init program."""
+    with self._mesh_ctx():
+      pool = self._fn("init")()
+    pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(  # the placement, not the memory
+        x.shape, x.dtype, sharding=x.sharding if x.committed else None), pool)
+
+    def job(shape):
+      fn, args = self.program_args(shape, params, pool)
+      with self._mesh_ctx():
+        fn.lower(*args).compile()
+
+    return [functools.partial(job, s) if s[0] != "init" else (lambda: None) for s in shapes]
 
   # ------------------------------------------------------------------------- sample
 

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 
-ATTENTION = ("auto", "xla", "pallas")
+from fbos_jax.model.paged_attention import IMPLEMENTATIONS as ATTENTION
 
 
 class EngineError(ValueError):
@@ -50,8 +50,17 @@ class EngineConfig:
     the pages of the longest row.
   prefill_buckets: chunk lengths of a prefill call; () = powers of two from 16 up
     to prefill_chunk.
+  bucket_growth: the ratio of one default bucket to the next (row, page, prefill
+    and page-copy buckets left at ()): 2 = powers of two; 4 or 8 = fewer programs
+    (the run compiles every one before its first step; ``--dry_run`` prints how
+    many) at the cost of more padding; 0 = one bucket each, the largest (page
+    copies stay powers of two): the fewest programs, for chips where a decode
+    step costs about the same at any row count and the Pallas kernel reads only
+    the pages in use.
   attention: paged attention: auto (Pallas ragged kernel on TPU, XLA elsewhere),
-    xla or pallas (model/paged_attention.py).
+    xla, pallas (TPU only) or pallas_interpret (the same kernel in the Pallas TPU
+    interpreter, on any platform: the TPU decode path run on CPU, for tests;
+    model/paged_attention.py).
   """
   slots: int = 64
   page_size: int = 16
@@ -66,6 +75,7 @@ class EngineConfig:
   row_buckets: tuple = ()
   page_buckets: tuple = ()
   prefill_buckets: tuple = ()
+  bucket_growth: int = 2
   attention: str = "auto"
 
   def validate(self) -> "EngineConfig":
@@ -82,6 +92,9 @@ class EngineConfig:
           f"{self.max_prompt_len} must be >= 0 (0 = derived).")
     if not 0.0 < float(self.refill_fraction) <= 1.0:
       bad(f"engine.refill_fraction={self.refill_fraction} must be in (0, 1].")
+    if int(self.bucket_growth) < 2 and int(self.bucket_growth) != 0:
+      bad(f"engine.bucket_growth={self.bucket_growth} must be 0 (one bucket, the largest) or "
+          ">= 2 (2 = powers of two).")
     if self.attention not in ATTENTION:
       bad(f"engine.attention={self.attention!r}; expected one of {ATTENTION}.")
     for name in ("row_buckets", "page_buckets", "prefill_buckets"):

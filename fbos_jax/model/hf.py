@@ -218,6 +218,15 @@ def read_hf_config(path: Union[str, os.PathLike]) -> dict[str, Any]:
   return d
 
 
+def checkpoint_dtype(path: Union[str, os.PathLike]) -> Optional[str]:
+  """The dtype a checkpoint's ``config.json`` says its weights are stored in
+  (``dtype``, transformers 5; ``torch_dtype``, 4.x), e.g. ``"bfloat16"``; None
+  when it names none."""
+  d = read_hf_config(path)
+  name = d.get("dtype") or d.get("torch_dtype")
+  return str(name) if name else None
+
+
 def generation_stop_ids(path: Union[str, os.PathLike]) -> tuple[int, ...]:
   """The ids that end generation for the checkpoint at ``path``: ``eos_token_id`` (an int
   or a list) of its ``generation_config.json``, else of its ``config.json``; () if neither

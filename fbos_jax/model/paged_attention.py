@@ -31,13 +31,17 @@ Implementations (``impl``):
 - ``"pallas"`` (:func:`attend_pallas`): the TPU ragged paged attention kernel
   reads the pages in place (no gather). Its queries must be the last ``T``
   positions of each row (``q_pos[b] = kv_len[b] - T + arange(T)``), which is
-  how the engine calls it (decode steps and prefill chunks). The kernel does not
-  run in the Pallas TPU interpreter of this JAX (0.10.2): the kernel reshapes a
-  VMEM ref (``cur_async_copy_kv.wait().reshape(...)``) and the interpreter's
-  ``to_range`` handles only indexing transforms ("'ReshapeTransform' object has
-  no attribute 'indices'"), so it is checked by compiling it for a TPU topology
-  with libtpu (tests/test_paged_attention.py) and its math by
-  ``ref_ragged_paged_attention``.
+  how the engine calls it (decode steps and prefill chunks); ``head_dim`` a
+  multiple of 128. The kernel is ``fbos_kernels.ragged_paged_attention``: JAX's
+  shipped kernel with three load/store changes that let the Pallas TPU
+  interpreter run it (the shipped one reshapes a VMEM ref, which this JAX's
+  interpreter rejects); tests/test_paged_attention.py checks that it differs
+  from the shipped kernel in those lines only, compiles for TPU (libtpu, no TPU
+  needed) and matches :func:`attend_xla` in the interpreter.
+- ``"pallas_interpret"``: the same kernel in the Pallas TPU interpreter
+  (``pltpu.force_tpu_interpret_mode()``) on any platform: the engine's TPU path
+  (per-step page writes, attention in place) run on CPU, for tests; slow.
+  ``"pallas"`` itself is refused on a platform other than TPU (:func:`choose`).
 
 Neither function knows about the mesh: the engine calls them per batch shard
 inside ``jax.shard_map`` (each shard owns its rows and its pages).
@@ -45,23 +49,40 @@ inside ``jax.shard_map`` (each shard owns its rows and its pages).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
+KERNEL_IMPLS = ("pallas", "pallas_interpret")  # the Pallas kernel (compiled / interpreted)
+INTERPRET_DEVICE_KIND = "TPU v5"  # the chip whose block sizes the interpreter runs with
 NULL_PAGE = 0
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def choose(impl: str, platform: str) -> str:
-  """Resolve ``impl`` for a program compiled for ``platform``: auto = pallas on TPU."""
+def choose(impl: str, platform: str, head_dim: Optional[int] = None) -> str:
+  """Resolve ``impl`` (``engine.attention``) for a program compiled for
+  ``platform``: auto = pallas on TPU (when ``head_dim`` is a multiple of 128, the
+  kernel's lane width), xla elsewhere; pallas is refused off TPU, the kernel
+  (pallas, pallas_interpret) for another head_dim."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"engine.attention={impl!r}; expected one of {IMPLEMENTATIONS}.")
+  fits = head_dim is None or int(head_dim) % 128 == 0
   if impl == "auto":
-    return "pallas" if platform == "tpu" else "xla"
+    return "pallas" if platform == "tpu" and fits else "xla"
+  if impl in KERNEL_IMPLS and not fits:
+    raise ValueError(f"engine.attention={impl!r}: the Pallas paged kernel needs a head_dim "
+                     f"that is a multiple of 128; model.head_dim={head_dim}. Use "
+                     "engine.attention=xla (or auto).")
+  if impl == "pallas" and platform != "tpu":
+    raise ValueError(
+        f"engine.attention='pallas' is a Pallas TPU (Mosaic) kernel, which platform "
+        f"{platform!r} cannot run: use engine.attention=xla (or auto) on {platform!r}, or "
+        "engine.attention=pallas_interpret to run the same kernel in the Pallas TPU "
+        "interpreter (slow; for tests).")
   return impl
 
 
@@ -120,7 +141,7 @@ def kernel_block_sizes(device_kind: str, q, pages, pages_per_seq: int) -> tuple[
   (e.g. "TPU v5"): the kernel's own tuned table, looked up for the target chip
   (``get_tuned_block_sizes`` reads ``jax.devices()``, i.e. the host's CPU when
   compiling for a TPU topology), else its defaults."""
-  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as K
+  from fbos_kernels import ragged_paged_attention as K
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as T
   n_tokens, h, dh = q.shape
   _, ps, kk, _ = pages.shape
@@ -139,41 +160,49 @@ def kernel_block_sizes(device_kind: str, q, pages, pages_per_seq: int) -> tuple[
 def attend_pallas(q, pages, page_table, q_pos, *, layer=None, dtype=None,
                   device_kind: Optional[str] = None,
                   num_kv_pages_per_block: Optional[int] = None,
-                  num_queries_per_block: Optional[int] = None):
-  """The TPU ragged paged attention kernel on the same arguments as
-  :func:`attend_xla` (``layer`` must be None: the kernel reads a whole pool
-  array in place, so the engine keeps one pool array per layer on TPU).
-  Query i of row b must sit at ``q_pos[b, 0] + i`` and be among the row's last
-  T positions (``kv_len = q_pos[:, -1] + 1``). ``device_kind``: the target
-  chip, for the kernel's block sizes (:func:`kernel_block_sizes`; default: the
-  kernel's own lookup on ``jax.devices()``)."""
-  from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+                  num_queries_per_block: Optional[int] = None, interpret: bool = False):
+  """The ragged paged attention kernel (``fbos_kernels.ragged_paged_attention``)
+  on the same arguments as :func:`attend_xla` (``layer`` must be None: the
+  kernel reads a whole pool array in place, so the engine keeps one pool array
+  per layer on TPU). Query i of row b must sit at ``q_pos[b, 0] + i`` and be
+  among the row's last T positions (``kv_len = q_pos[:, -1] + 1``).
+  ``device_kind``: the target chip, for the kernel's block sizes
+  (:func:`kernel_block_sizes`; default: the kernel's own lookup on
+  ``jax.devices()``, or :data:`INTERPRET_DEVICE_KIND`'s when interpreted).
+  ``interpret``: run it in the Pallas TPU interpreter (any platform)."""
+  import jax.experimental.pallas.tpu as pltpu
+  from fbos_kernels import ragged_paged_attention as rpa
   if layer is not None:
     raise ValueError("the Pallas paged kernel needs one pool array per layer "
                      "(sampling.layer_loop='unroll'), not a stacked pool.")
   del dtype
   b, t, h, dh = q.shape
+  if interpret and device_kind is None:
+    device_kind = INTERPRET_DEVICE_KIND
   if device_kind is not None and num_kv_pages_per_block is None:
     num_kv_pages_per_block, num_queries_per_block = kernel_block_sizes(
         device_kind, q.reshape(b * t, h, dh), pages, page_table.shape[1])
   kv_lens = (q_pos[:, -1] + 1).astype(jnp.int32)
   cu_q_lens = (jnp.arange(b + 1, dtype=jnp.int32) * t)
-  out = rpa.ragged_paged_attention(
-      q.reshape(b * t, h, dh), pages, kv_lens, page_table.astype(jnp.int32), cu_q_lens,
-      jnp.full((1,), b, jnp.int32), sm_scale=1.0 / math.sqrt(dh),
-      num_kv_pages_per_block=num_kv_pages_per_block, num_queries_per_block=num_queries_per_block)
+  with (pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()):
+    out = rpa.ragged_paged_attention(
+        q.reshape(b * t, h, dh), pages, kv_lens, page_table.astype(jnp.int32), cu_q_lens,
+        jnp.full((1,), b, jnp.int32), sm_scale=1.0 / math.sqrt(dh),
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block)
   return out.reshape(b, t, h, dh)
 
 
 def attend(impl: str, q, pages, page_table, q_pos, *, layer=None, dtype=None,
            device_kind: Optional[str] = None):
-  """:func:`attend_xla` or :func:`attend_pallas` (``impl`` already resolved)."""
-  if impl == "pallas":
+  """:func:`attend_xla` or :func:`attend_pallas` (``impl`` already resolved by
+  :func:`choose`: "xla", "pallas" or "pallas_interpret")."""
+  if impl in KERNEL_IMPLS:
     return attend_pallas(q, pages, page_table, q_pos, layer=layer, dtype=dtype,
-                         device_kind=device_kind)
+                         device_kind=device_kind, interpret=impl == "pallas_interpret")
   if impl == "xla":
     return attend_xla(q, pages, page_table, q_pos, layer=layer, dtype=dtype)
-  raise ValueError(f"paged attention impl {impl!r}; expected 'xla' or 'pallas' "
+  raise ValueError(f"paged attention impl {impl!r}; expected one of ('xla',) + {KERNEL_IMPLS} "
                    "(resolve 'auto' with choose()).")
 
 

@@ -154,21 +154,25 @@ def _selected_round2(p, r1, r2, r2_prompt, r2_source, select: str, threshold: fl
 
 def ecc_advantages(r1: np.ndarray, r2: np.ndarray, r2_prompt: np.ndarray,
                    r2_source: np.ndarray, *, mode: str, estimator: str,
-                   eps: float) -> np.ndarray:
+                   eps: float, width: int = 0) -> np.ndarray:
   """[M2] advantages of round-2 rollouts on their FAPs (section 6.4).
 
   group: normalise r2 over q's round-2 rollouts; improvement: normalise
   r2 - r(source) (the source reward is q's round-1 mean for aggregated FAPs).
+  The groups go to the jitted kernel as [P, width] (one row per prompt of
+  ``r1``, ``width`` at least the largest group; 0 = that largest), so with a
+  fixed ``width`` (the round-2 size) every step reuses one compiled program;
+  the empty places are invalid and change nothing.
   """
   if r2.size == 0:
     return np.zeros((0,), np.float32)
   prompts = np.unique(r2_prompt)
-  width = max(int((r2_prompt == p).sum()) for p in prompts)
-  R = np.zeros((prompts.size, width), np.float32)
-  V = np.zeros((prompts.size, width), bool)
+  width = max([int(width)] + [int((r2_prompt == p).sum()) for p in prompts])
+  R = np.zeros((r1.shape[0], width), np.float32)
+  V = np.zeros((r1.shape[0], width), bool)
   pos = np.zeros(r2.size, np.int64)
   row = np.zeros(r2.size, np.int64)
-  for a, p in enumerate(prompts):
+  for p in prompts:
     js = np.flatnonzero(r2_prompt == p)
     vals = r2[js].astype(np.float32)
     if mode == "improvement":
@@ -176,9 +180,9 @@ def ecc_advantages(r1: np.ndarray, r2: np.ndarray, r2_prompt: np.ndarray,
       vals = vals - base
     elif mode != "group":
       raise ValueError(f"rl.ecc_advantage={mode!r}; expected group | improvement.")
-    R[a, :js.size] = vals
-    V[a, :js.size] = True
-    row[js] = a
+    R[p, :js.size] = vals
+    V[p, :js.size] = True
+    row[js] = p
     pos[js] = np.arange(js.size)
   A = advantages(R, V, estimator, eps)
   return A[row, pos]

@@ -100,6 +100,12 @@ class OptimConfig:
   grad_clip: float = 0.0
   opt_state_dtype: str = "float32"
   total_steps: int = 1
+  # True: update k at the schedule's value at k, so a warmed-up run's update 0 is at
+  # lr 0 (optax's count). Only the SFT warm start keeps it: its result is sensitive to
+  # the exact schedule (issue 33: with the first update trained, tiny_chain's warm start
+  # landed at greedy 0.16 instead of 0.41), and docs/results rest on that warm start.
+  # RL never does (a whole step's rollouts would train nothing): fbos_jax/optim.py.
+  warmup_from_zero: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,12 +420,17 @@ def _positive(errs, field, value, *, allow_zero=False):
     errs.append(f"{field}={value!r}: must be {'>= 0' if allow_zero else '> 0'}")
 
 
-def validate(config, num_batch_shards: int = 1, process_count: Optional[int] = None):
-  """Raise ValueError listing every meaningless value or combination, by field."""
+def validate(config, num_batch_shards: int = 1, process_count: Optional[int] = None,
+             overrides=()):
+  """Raise ValueError listing every meaningless value or combination, by field.
+
+  overrides: the dotted fields set on top of the config file (``launch/train.py``'s
+  ``--config.*`` flags): one that the run would ignore is refused too
+  (:func:`stage_override_errors`)."""
   if process_count is None:
     import jax
     process_count = jax.process_count()
-  errs: list[str] = []
+  errs: list[str] = stage_override_errors(config, overrides)
   _validate_rl(config, errs)
   _validate_rest(config, errs)
   rl = config.rl
@@ -474,24 +485,35 @@ def _validate_rl(config, errs):
   _validate_rl_values(config, errs)
 
 
+# the rl fields that take one of a few names (the terms' losses: fbos_kernels.POLICY_LOSSES)
+RL_CHOICES = {
+    "prompt": ("plain", "fcp"), "advantage": ADVANTAGES, "loss_agg": AGG_MODES,
+    "offpolicy_ratio_denominator": ("one", "behaviour"),
+    "objective_schedule": ("joint", "alternate"), "fap_from": ("failed", "all"),
+    "fap_mode": ("single", "aggregated"), "epa_select": ("correct", "improved", "all"),
+    "epa_mode": ("append", "replace"), "epa_trigger": ("always", "adaptive"),
+    "ecc_advantage": ("group", "improvement"), "gfpo_metric": ("length", "token_efficiency"),
+    "kl_kind": ("k1", "k2", "k3"), "inflight_update": INFLIGHT_UPDATES,
+}
+
+
+def choice_fields() -> dict:
+  """Every field of ``sampling``, ``engine`` and ``rl`` that takes one of a few
+  names, dotted -> the names (what validation accepts; ``tests`` enumerate them)."""
+  import fbos_kernels as K
+  from fbos_jax.engine import types as engine_types
+  out = {"sampling.engine": ENGINES, "engine.attention": engine_types.ATTENTION}
+  out.update({f"rl.{k}": v for k, v in RL_CHOICES.items()})
+  out.update({f"rl.terms.{t}.loss": tuple(sorted(K.POLICY_LOSSES)) for t in TERM_BATCHES})
+  return out
+
+
 def _validate_rl_values(config, errs):
   """Choices and ranges of the rl section, one field at a time."""
   rl = config.rl
   terms = terms_of(config)
-  _choice(errs, "rl.prompt", rl.prompt, ("plain", "fcp"))
-  _choice(errs, "rl.advantage", rl.advantage, ADVANTAGES)
-  _choice(errs, "rl.loss_agg", rl.loss_agg, AGG_MODES)
-  _choice(errs, "rl.offpolicy_ratio_denominator", rl.offpolicy_ratio_denominator,
-          ("one", "behaviour"))
-  _choice(errs, "rl.objective_schedule", rl.objective_schedule, ("joint", "alternate"))
-  _choice(errs, "rl.fap_from", rl.fap_from, ("failed", "all"))
-  _choice(errs, "rl.fap_mode", rl.fap_mode, ("single", "aggregated"))
-  _choice(errs, "rl.epa_select", rl.epa_select, ("correct", "improved", "all"))
-  _choice(errs, "rl.epa_mode", rl.epa_mode, ("append", "replace"))
-  _choice(errs, "rl.epa_trigger", rl.epa_trigger, ("always", "adaptive"))
-  _choice(errs, "rl.ecc_advantage", rl.ecc_advantage, ("group", "improvement"))
-  _choice(errs, "rl.gfpo_metric", rl.gfpo_metric, ("length", "token_efficiency"))
-  _choice(errs, "rl.kl_kind", rl.kl_kind, ("k1", "k2", "k3"))
+  for f, options in RL_CHOICES.items():
+    _choice(errs, f"rl.{f}", rl[f], options)
   if rl.round2 and config.templates.max_prompt_tokens > max(config.sampling.fap_prompt_buckets):
     errs.append(f"templates.max_prompt_tokens={config.templates.max_prompt_tokens} exceeds the "
                 f"largest sampling.fap_prompt_buckets={max(config.sampling.fap_prompt_buckets)}")
@@ -509,6 +531,9 @@ def _validate_rl_values(config, errs):
     errs.append(f"rl.stream_rounds=True streams round 2 into the continuous engine's queue, "
                 f"but sampling.engine={config.sampling.engine!r}; set "
                 "--config.sampling.engine=continuous")
+  if rl.stream_rounds and not rl.round2:
+    errs.append("rl.stream_rounds=True streams round 2 beside round 1, but rl.round2=False "
+                "(this algorithm has no round 2), so it would change nothing; drop it")
   _validate_async(rl, errs)
 
 
@@ -519,13 +544,40 @@ def _validate_async(rl, errs):
     v = rl[f]
     if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
       errs.append(f"rl.{f}={v!r}: must be an integer >= 0")
-  _choice(errs, "rl.inflight_update", rl.inflight_update, INFLIGHT_UPDATES)
   _positive(errs, "rl.sync_chunk_mib", rl.sync_chunk_mib)
   _positive(errs, "rl.sync_timeout_s", rl.sync_timeout_s)
   b = rl.prompts_per_step
   if isinstance(rl.buffer_groups, int) and 0 < rl.buffer_groups < b:
     errs.append(f"rl.buffer_groups={rl.buffer_groups} is smaller than one batch: the trainer "
                 f"takes rl.prompts_per_step={b} groups per step (0 = (max_staleness + 1) x {b})")
+
+
+def _validate_master(config, errs):
+  """A master (``model.param_dtype``) of fewer significant bits than float32 loses
+  the updates: refused unless ``optim.allow_low_precision_params``."""
+  import numpy as np
+  import jax.numpy as jnp
+  try:
+    dt = jnp.dtype(config.model.param_dtype)
+  except TypeError:
+    errs.append(f"model.param_dtype={config.model.param_dtype!r}: not a dtype")
+    return
+  trains = config.train.steps > 0 or config.train.warm_start == "sft"
+  if (not jnp.issubdtype(dt, jnp.floating) or not trains
+      or config.optim.get("allow_low_precision_params", False)):
+    return
+  bits = int(jnp.finfo(dt).nmant) + 1  # significant bits, the implicit one included
+  if bits >= np.finfo(np.float32).nmant + 1:
+    return
+  lr = config.optim.learning_rate
+  errs.append(
+      f"model.param_dtype={dt.name}: the trained master would keep {bits} significant bits, "
+      f"so an Adam step of about optim.learning_rate={lr:g} rounds away on every weight "
+      f"larger than ~2^{bits} x lr = {lr * 2 ** bits:.3g} in magnitude (at lr 1e-6, about 98% "
+      f"of N(0, 0.02) weights; update/param_change_frac counts what a step changed). Keep a "
+      f"float32 master (--config.model.param_dtype=float32; the forward pass runs in "
+      f"model.compute_dtype={config.model.compute_dtype}), or train it as is with "
+      "--config.optim.allow_low_precision_params=True")
 
 
 def _validate_rest(config, errs):
@@ -543,6 +595,7 @@ def _validate_rest(config, errs):
   if s.top_k < 0:
     errs.append(f"sampling.top_k={s.top_k!r}: must be >= 0 (0 = off)")
   _positive(errs, "optim.learning_rate", o.learning_rate)
+  _validate_master(config, errs)
   _positive(errs, "optim.warmup_steps", o.warmup_steps, allow_zero=True)
   _positive(errs, "optim.grad_clip", o.grad_clip, allow_zero=True)
   _positive(errs, "optim.weight_decay", o.weight_decay, allow_zero=True)
@@ -592,6 +645,109 @@ def _validate_rest(config, errs):
   if config.train.warm_start not in ("", "sft"):
     errs.append(f"train.warm_start={config.train.warm_start!r}: expected '' or 'sft'")
   if config.train.warm_start == "sft":
-    _positive(errs, "sft.learning_rate", config.sft.learning_rate)
-    if not 0 <= config.sft.fap_fraction <= 1:
-      errs.append(f"sft.fap_fraction={config.sft.fap_fraction!r}: must be in [0, 1]")
+    errs.extend(sft_errors(config))
+
+
+# ----------------------------------------------------------------------------- the warm start
+
+SFT_SCHEDULES = ("cosine", "constant")
+SFT_CORRECTIONS = ("corrupt", "self")
+STAGE_KEYS = ("name",)  # a stage's keys besides sft fields
+
+
+def stage_name(i: int, stage) -> str:
+  """Stage ``i``'s name: its ``name`` key, else ``stage{i + 1}``."""
+  return str(stage.get("name", f"stage{i + 1}"))
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _sft_values(sft: dict, name, errs):
+  """The rules of one SFT recipe's fields (the flat ``sft.*`` or a stage over them);
+  ``name(field)`` is how the message names a field."""
+  def count(f, least):
+    v = sft.get(f)
+    if not (_is_int(v) and v >= least):
+      errs.append(f"{name(f)}={v!r}: must be an integer >= {least}")
+  def share(f):
+    v = sft.get(f)
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1):
+      errs.append(f"{name(f)}={v!r}: must be in [0, 1]")
+  count("steps", 1)
+  count("batch_size", 1)
+  count("warmup_steps", 0)
+  count("self_samples", 1)
+  lr = sft.get("learning_rate")
+  if isinstance(lr, bool):
+    lr = None
+  _positive(errs, name("learning_rate"), lr)
+  share("fap_fraction")
+  share("self_corrections_from")
+  _choice(errs, name("schedule"), sft.get("schedule"), SFT_SCHEDULES)
+  _choice(errs, name("corrections"), sft.get("corrections"), SFT_CORRECTIONS)
+  if not isinstance(sft.get("conditional"), bool):
+    errs.append(f"{name('conditional')}={sft.get('conditional')!r}: must be True or False")
+
+
+def sft_errors(config) -> list:
+  """Every bad value of the warm start's recipe, named: the flat ``sft.*`` fields
+  (no stages), or each stage of ``sft.stages`` as the whole recipe it runs (its
+  fields over the flat ones), a field the stage sets named
+  ``sft.stages[i].field``; and ``sft.steps``, with stages their total."""
+  sft = config.sft
+  flat = {k: v for k, v in sft.items() if k != "stages"}
+  stages = sft.get("stages", ()) or ()
+  errs: list[str] = []
+  if not isinstance(stages, (tuple, list)):
+    return [f"sft.stages={stages!r}: must be a tuple of dicts, one per stage (() = one "
+            "stage made of the flat sft fields)"]
+  if not stages:
+    _sft_values(flat, lambda f: f"sft.{f}", errs)
+    return errs
+  steps = []
+  for i, st in enumerate(stages):
+    if not hasattr(st, "keys"):
+      errs.append(f"sft.stages[{i}]={st!r}: must be a dict of sft fields (and 'name'), "
+                  f"e.g. {{'name': 'demos', 'steps': 100}}")
+      continue
+    st = dict(st)
+    bad = sorted(k for k in st if k not in flat and k not in STAGE_KEYS)
+    if bad:
+      errs.append(f"sft.stages[{i}] ({stage_name(i, st)!r}): unknown sft field(s) {bad}; a "
+                  f"stage sets fields of the sft section: {sorted(flat)} (and 'name')")
+    mine = [k for k in st if k in flat]
+    _sft_values(dict(flat, **{k: st[k] for k in mine}),
+                lambda f, i=i: f"sft.stages[{i}].{f}" if f in mine else f"sft.{f}", errs)
+    steps.append((stage_name(i, st), st.get("steps", flat.get("steps"))))
+  if len(steps) == len(stages) and all(_is_int(n) and n >= 1 for _, n in steps):
+    total = sum(n for _, n in steps)
+    if sft.steps != total:
+      listed = " + ".join(f"{name} {n}" for name, n in steps)
+      errs.append(
+          f"sft.steps={sft.steps!r}, but the steps of sft.stages total {total} ({listed}): with "
+          f"stages each stage sets its own steps and sft.steps is their total, so a value "
+          f"of its own would be ignored; set the stages' steps (--config.sft.stages=...) and "
+          f"sft.steps to their sum")
+  return list(dict.fromkeys(errs))
+
+
+def stage_override_errors(config, overrides) -> list:
+  """Overrides (dotted fields set on top of the config file, as
+  ``--config.sft.learning_rate=...`` does) of flat ``sft.*`` fields that a stage
+  of ``sft.stages`` sets itself: the stage would ignore them, so they are
+  refused, naming the stages (``sft.steps`` is checked as the stages' total)."""
+  stages = [dict(st) for st in (config.sft.get("stages", ()) or ()) if hasattr(st, "keys")]
+  errs = []
+  for dotted in overrides:
+    section, _, field = str(dotted).partition(".")
+    if section != "sft" or field in ("steps", "stages") or "." in field:
+      continue
+    setting = [f"sft.stages[{i}].{field}={st[field]!r} ({stage_name(i, st)!r})"
+               for i, st in enumerate(stages) if field in st]
+    if setting:
+      errs.append(f"sft.{field}={config.sft[field]!r} would be ignored by the stage(s) that "
+                  f"set it themselves: {', '.join(setting)}; set it in the stages "
+                  "(--config.sft.stages=...) instead")
+  return errs

@@ -29,6 +29,7 @@ from fbos_jax import buckets
 from fbos_jax import sharding as sh
 from fbos_jax import templates
 from fbos_jax.rl import config as config_lib
+from fbos_jax.rl import state as state_lib
 
 
 class Samples(NamedTuple):
@@ -53,6 +54,31 @@ class DecodeError(ValueError):
 # what a user does about a prompt too long for its budget (every such error says it)
 OVER_LONG_HINT = ("raise the budget, or drop such records at load with "
                   "--config.data.max_prompt_tokens=N (data.over_long=filter)")
+
+
+def check_engine_pools(parts: config_lib.RunParts, mesh=None, rules=None, *, probe=False):
+  """With ``sampling.engine=continuous``: the page pool of each kind of sampler call
+  a run makes (``fbos_jax.rl.shapes.sampler_calls``; round 2's too with the probe)
+  fits ``engine.num_pages`` and the mesh (``fbos_jax.engine.runner.pool_layout``):
+  checked when the run is built, not at the first engine call (mid warm start).
+  Raises EngineError naming the fields and the call."""
+  sp = parts.sampling
+  if sp.engine != "continuous":
+    return
+  from fbos_jax import sampling as sampling_lib
+  from fbos_jax.engine import runner
+  from fbos_jax.rl import shapes
+  shards = sh.batch_shard_count(mesh, rules) if mesh is not None else 1
+  calls = {name: scfg for name, (_, _, scfg) in
+           shapes.sampler_calls(parts, eval_prompts=1, eval_k=2).items()}
+  if probe:
+    calls.setdefault("sample_round2", sp.round2)
+  for name, scfg in calls.items():
+    try:
+      runner.pool_layout(shapes.engine_config(parts), scfg, shards,
+                         sampling_lib._mesh_processes(mesh))
+    except runner.EngineError as e:
+      raise runner.EngineError(f"the continuous engine's {name} calls: {e}") from None
 
 
 class RolloutContext:
@@ -102,6 +128,8 @@ class RolloutContext:
                           num_workers=vc.workers, timeout_s=vc.timeout_s, backend=vc.backend,
                           reward_range=tuple(vc.reward_range),
                           max_abandoned_threads=vc.max_abandoned_threads)
+    check_engine_pools(parts, mesh, sh.rules_dict(config.mesh.rules),
+                       probe=bool(config.train.get("probe_every", 0)))
     budget = None
     if check_budget:
       from fbos_jax.verifiers import procedural
@@ -178,15 +206,20 @@ class RolloutContext:
     engine (``sampling.engine``; the same key contract and output). Contexts may
     be empty on every process (0 rows).
 
-    ``params``: a param pytree (versions -1), or a ParamsSource (the policy and
-    its version): the static sampler reads it once per call, the engine between
-    decode windows (in-flight weight updates, ``fbos_jax/engine/runner.py``)."""
+    ``params``: the policy in ``model.compute_dtype``
+    (:class:`fbos_jax.rl.state.ComputeCopy`; handed the master of another dtype it
+    raises) with versions -1, or a ParamsSource (published compute copies and their
+    version): the static sampler reads it once per call, the engine between decode
+    windows (in-flight weight updates, ``fbos_jax/engine/runner.py``)."""
     from fbos_jax import sampling as sampling_lib
     from fbos_jax.engine import is_params_source
     sp = self.parts.sampling
     version = -1
-    if sp.engine != "continuous" and is_params_source(params):
-      params, version = params.current()
+    if is_params_source(params):
+      if sp.engine != "continuous":
+        params, version = params.current()
+    else:
+      state_lib.check_compute_params(params, self.model_cfg, "RolloutContext.sample")
     if sp.engine == "continuous":
       from fbos_jax import engine
       out = engine.sample(params, self.model_cfg, contexts, key=key, n_per_prompt=n,

@@ -75,8 +75,52 @@ def evaluate_checkpoint(config, workdir: str, *, k: int = 1, step: int = -1,
                                           templates_config=config.templates)
     key = state_lib.stream_key(state_lib.root_rng(ctx.parts.seed), "eval", restored)
     with jax.set_mesh(mesh):
-      out = evaluate(ctx, params, examples, key=key, k=k)
+      out = evaluate(ctx, state_lib.compute_params(params, ctx.model_cfg), examples, key=key,
+                     k=k)
     out["step"] = restored
     return out
   finally:
     ctx.close()
+
+
+def drop_from_start(rows: list, *, within_rollouts: int = 0) -> dict:
+  """How far held-out accuracy fell below the start: the lowest eval minus the
+  step-0 eval, greedy (``eval/accuracy``) and T=1 (``eval/pass@1_sampled``) apart;
+  0 when no eval went below the start; None for a key the run did not log.
+
+  ``rows``: a run's logged rows in step order (metrics.jsonl, or compare.json's
+  runs, which carry cumulative ``rollouts``); the first row with the key is the
+  start. ``within_rollouts`` > 0: only evals at or before that many generated
+  rollouts (needs ``rollouts`` in the rows)."""
+  out = {}
+  for name, key in (("greedy", "eval/accuracy"), ("sampled", "eval/pass@1_sampled")):
+    ev = [r for r in rows if key in r]
+    if within_rollouts > 0:
+      if any("rollouts" not in r for r in ev):
+        raise ValueError(f"drop_from_start(within_rollouts={within_rollouts}): rows without "
+                         "'rollouts' (cumulative generated rollouts)")
+      ev = [r for r in ev if r["rollouts"] <= within_rollouts]
+    if not ev:
+      out[name] = None
+      continue
+    start = float(ev[0][key])
+    out[name] = min(0.0, min(float(r[key]) for r in ev) - start)
+  return out
+
+
+# The recipe's bound (docs/results/verdict_rule.md, issue 33): no arm's greedy held-out
+# accuracy falls more than MAX_DROP below its warm start at any eval in its first
+# DROP_WINDOW generated rollouts. A learning rate that breaks it is unstable.
+MAX_DROP, DROP_WINDOW = 0.03, 2000
+
+
+def pick_learning_rate(sweep: dict, *, max_drop: float = MAX_DROP):
+  """The rate of a sweep (``{rate: {"final_sampled", "drop_greedy"}}``, one
+  validation run each) with the best final T=1 accuracy among the stable ones
+  (greedy drop no deeper than ``max_drop``); ties go to the smaller rate. None
+  when every rate is unstable: the arm is reported as such, never given a rate."""
+  stable = [(float(lr), r) for lr, r in sweep.items() if r["drop_greedy"] >= -max_drop - 1e-9]
+  if not stable:
+    return None
+  best = max(r["final_sampled"] for _, r in stable)
+  return min(lr for lr, r in stable if r["final_sampled"] >= best - 1e-12)

@@ -68,11 +68,15 @@ class TermMetrics:
 @flax.struct.dataclass
 class UpdateMetrics:
   """What the update returns besides the state: per-term metrics, the total
-  loss and gradient norm, and whether every optimizer step was finite (1/0)."""
+  loss and gradient norm, whether every optimizer step was finite (1/0), and
+  the fraction of trained elements whose stored value an optimizer step changed
+  (mean over the step's optimizer steps; near 0 when the params' dtype rounds the
+  steps away)."""
   terms: dict  # {term.batch: TermMetrics}
   loss: jax.Array
   grad_norm: jax.Array
   finite: jax.Array
+  param_change_frac: jax.Array
 
 
 def log_metrics(m: UpdateMetrics, term_order: tuple) -> dict:
@@ -80,10 +84,11 @@ def log_metrics(m: UpdateMetrics, term_order: tuple) -> dict:
   ``grad_norm/<term>``, ``policy/<term>_{entropy,entropy_onpolicy,kl,clipfrac,
   tokens}``, the totals ``policy/{loss,grad_norm,finite}`` and the first term's
   ``policy/{entropy,kl,clipfrac}`` (``policy/entropy_onpolicy``: EPA's round-1
-  rows, :data:`ROUND1_BATCH`)."""
+  rows, :data:`ROUND1_BATCH`), and ``update/param_change_frac``."""
   m = jax.device_get(m)
   out = {"policy/loss": float(m.loss), "policy/grad_norm": float(m.grad_norm),
-         "policy/finite": float(m.finite)}
+         "policy/finite": float(m.finite),
+         "update/param_change_frac": float(m.param_change_frac)}
   for name, t in m.terms.items():
     out[f"loss/{name}"] = float(t.stats.loss)
     out[f"grad_norm/{name}"] = float(t.grad_norm)

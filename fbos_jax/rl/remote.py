@@ -161,18 +161,19 @@ class ProcessSource:
   def busy_s(self) -> float:
     return self._busy
 
-  def start(self, state, step: int, stop: int, params):
+  def start(self, state, step: int, stop: int, policy):
     self._gfpo_tree = jax.tree.structure(state.gfpo)
     _put_json(f"start/{self.trainer.index}", {
         "step": int(step), "stop": int(stop), "data": self._data,
         "rng": np.asarray(jax.device_get(state.rng)).tolist(),
         "gfpo": [np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(state.gfpo))]})
-    self.publish(params, int(state.step))
+    self.publish(policy, int(state.step))
 
-  def publish(self, params, version: int) -> dict:
-    """``params`` resharded as the pair's rollout shards and offered as ``version``."""
+  def publish(self, policy, version: int) -> dict:
+    """``policy()`` (the trainer's compute copy) resharded as the pair's rollout
+    shards and offered as ``version``."""
     t0 = time.perf_counter()
-    leaves = jax.tree.leaves(params)
+    leaves = jax.tree.leaves(policy())
     if self._copy is None:
       mesh = _paired_mesh(self.rollout_mesh, self.trainer.processes, self.rollout.processes)
       specs = jax.tree.leaves(state_lib.param_specs(self.parts, self.rollout_mesh, self.rules),
@@ -192,7 +193,7 @@ class ProcessSource:
     return {"async/sync_s": time.perf_counter() - t0,
             "async/sync_bytes": float(nbytes * self.trainer.count)}
 
-  def take(self, state, k: int, params) -> sources.StepItem:
+  def take(self, state, k: int, policy) -> sources.StepItem:
     meta = _json(f"b/{self.pair}/{k}", f"batch {k} from rollout process {self.pair}")
     dev = jax.local_devices()[0]
     specs = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=SingleDeviceSharding(dev))
@@ -287,7 +288,7 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
   config_lib.validate(config, sh.batch_shard_count(mesh, rules),
                       process_count=distributed.process_count())
   ctx = RolloutContext.build(config, workdir, mesh=mesh)
-  it = sources.train_iterator(config, ctx.tokenizer)
+  it = sources.train_iterator(config, ctx)
   chan = Channel()
   me = rollout.index
   start = _json(f"start/{me}", "the trainer's start")

@@ -172,7 +172,7 @@ def ecc_rows(ctx: RolloutContext, examples: list, r1: Rollouts, r2: Optional[Rol
   r2_rewards, r2_prompt, r2_source, r2_flat = _flat_r2(r2)
   a2 = assemble.ecc_advantages(np.where(r1.ok, r1.rewards, 0.0), r2_rewards, r2_prompt,
                                r2_source, mode=spec.ecc_advantage, estimator=spec.advantage,
-                               eps=spec.adv_eps)
+                               eps=spec.adv_eps, width=spec.round2_size)
   m = spec.round2_size
   tokens, mask, logp, versions = _rows(r2 if r2 is not None else r1, r2_flat)
   contexts = [r2.contexts[j // m][j % m] for j in r2_flat]

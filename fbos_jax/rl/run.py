@@ -8,12 +8,14 @@ import time
 
 import jax
 import numpy as np
+from absl import logging
 
 from fbos_jax import data as data_lib
 from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
 from fbos_jax.model import hf
 from fbos_jax.rl import config as config_lib
+from fbos_jax.rl import evaluation
 from fbos_jax.rl import sft as sft_lib
 from fbos_jax.rl import split as split_lib
 from fbos_jax.rl.trainer import RLTrainer
@@ -42,6 +44,28 @@ def train_and_summarise(config, workdir: str, *, init_from_hf: str = "", plot: b
     distributed.finish()
     return None, {}
   trainer = RLTrainer(config, workdir, allow_config_change=allow_config_change)
+  trainer.started = t_start
+  try:
+    state, summary = _train(config, trainer, workdir, plot)
+    trainer.close()
+  except BaseException:
+    close_quietly(trainer)  # the error is what the user needs: a close that fails
+    raise                   # too (a full disk) must not hide it
+  distributed.finish()
+  _print(json.dumps(summary))
+  return state, summary
+
+
+def close_quietly(trainer):
+  """Close ``trainer`` after an error, logging (not raising) what fails in the close."""
+  try:
+    trainer.close()
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("closing the run after the error failed too: %s: %s", type(e).__name__, e)
+
+
+def _train(config, trainer, workdir: str, plot: bool):
+  """The run's parts after the trainer is built: warm start, RL, summary.json, plot."""
   params = None
   if config.model.hf_path:  # straight into the mesh's shardings, in model.param_dtype
     params, _ = hf.load_hf_params(config.model.hf_path, trainer.parts.model, mesh=trainer.mesh,
@@ -52,9 +76,12 @@ def train_and_summarise(config, workdir: str, *, init_from_hf: str = "", plot: b
     t0 = time.perf_counter()
     params, cached = sft_lib.warm_start(config, trainer.ctx, state,
                                         cache_dir=os.path.join(workdir, "sft"))
-    _print(f"warm start (SFT, {config.sft.steps} steps): "
+    _print(f"warm start (SFT, {sft_lib.describe_steps(config)}): "
            f"{'cached' if cached else f'{time.perf_counter() - t0:.0f}s'}")
     state = trainer.init_state(params)
+  compiled = None
+  if config.train.compile_at_start:  # every program of the run, before step 1
+    compiled = trainer.compile_at_start(state, say=_print)
   evals = trainer.eval_examples
   start_acc = None
   if evals and int(state.step) == 0:
@@ -67,8 +94,14 @@ def train_and_summarise(config, workdir: str, *, init_from_hf: str = "", plot: b
   state, history = trainer.train(state, eval_examples=evals, initial_eval=start_acc)
   rl_s = trainer.rl_seconds_before + time.perf_counter() - t0
   summary = _summary(config, trainer, state, history, evals, start_acc)
-  summary.update(rl_seconds=rl_s, total_seconds=time.perf_counter() - t_start,
+  summary.update(rl_seconds=rl_s, total_seconds=trainer.total_seconds(),
                  resumed=bool(resumed))
+  if compiled is not None:  # compile time apart from RL time (the set compiled before it)
+    after = [r for r in history if "compile/after_start" in r]
+    summary.update(compile_seconds=compiled["seconds"], compile_programs=compiled["programs"],
+                   compile_after_start=int(sum(r["compile/after_start"] for r in after)),
+                   compile_after_start_seconds=float(sum(r["time/compile_after_start_s"]
+                                                         for r in after)))
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
@@ -77,9 +110,6 @@ def train_and_summarise(config, workdir: str, *, init_from_hf: str = "", plot: b
                                      os.path.join(workdir, "metrics.png"),
                                      title=f"{config.algo} ({config.variant})")
       _print(f"curves: {png}")
-  trainer.close()
-  distributed.finish()
-  _print(json.dumps(summary))
   return state, summary
 
 
@@ -110,11 +140,19 @@ def _summary(config, trainer, state, history: list, evals: list, start_acc) -> d
         summary[f"{k.split('/')[1]}_start"] = start_acc.get(k) if start_acc else None
         summary[f"{k.split('/')[1]}_end"] = end[k]
     _print(f"held-out accuracy at RL end:   {_acc_line(end)}")
+    # the lowest eval against the start (greedy, T=1): a run that first undoes its warm
+    # start shows it here even when it ends above the start
+    logged = [r for r in history if "eval/accuracy" in r]
+    summary["held_out/drop_from_start"] = evaluation.drop_from_start(
+        ([{**start_acc, "step": 0}] if start_acc else []) + logged + [end])
   rows = [r for r in history if "time/step_s" in r]
-  for k in ("time/sample1_s", "time/round2_s", "time/verify_s", "time/update_s", "time/step_s"):
+  for k in ("time/sample1_s", "time/round2_s", "time/rounds_s", "time/verify_s",
+            "time/update_s", "time/step_s"):
     vals = [r[k] for r in rows if k in r]
     if vals:
       summary[f"median_{k.split('/')[1]}"] = float(np.median(vals))
+  if rows:  # the steps alone (no eval, checkpoint or log time)
+    summary["sum_step_s"] = float(sum(r["time/step_s"] for r in rows))
   return summary
 
 

@@ -218,7 +218,8 @@ def _sft_setup(config, ctx, steps: int):
   ucfg = config_lib.UpdateConfig(terms=terms, loss=config_lib.LossConfig(
       temperature=1.0, vocab_limit=ctx.parts.update.loss.vocab_limit))
   optim_cfg = config_lib.optim_config(config.optim, steps, learning_rate=sft.learning_rate,
-                                      warmup_steps=sft.warmup_steps, schedule=sft.schedule)
+                                      warmup_steps=sft.warmup_steps, schedule=sft.schedule,
+                                      warmup_from_zero=True)
   shards = sh.batch_shard_count(ctx.mesh, ctx.rules)
   rows = (buckets.bucket_rows(max(sft.batch_size - n_corr, 1), shards),
           buckets.bucket_rows(max(n_corr, 1), shards))
@@ -264,7 +265,8 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
                          positive_feedback=ctx.spec.fcp_positive_feedback)
     failures = None
     if s >= self_from:
-      failures = own_failures(config, ctx, state.params, examples[:n_corr],
+      failures = own_failures(config, ctx, state_lib.compute_params(state.params, ctx.model_cfg),
+                              examples[:n_corr],
                               key=jax.random.fold_in(sample_key, s))
     batches, stats = builder(s, examples, failures)
     with jax.set_mesh(mesh):  # attention picks its kernel from the mesh's devices
@@ -378,34 +380,60 @@ _SELF_ONLY_FIELDS = ("corrections", "self_corrections_from", "self_samples")
 # fields that do not change the warm start's result
 _DATA_IGNORED = ("read_threads", "feedback_may_reveal_answer")
 STAGE_SEED_STRIDE = 1009  # stage i draws its problems with seeds moved by i x this
-_STAGE_KEYS = ("name",)  # a stage's keys besides sft fields
 
 
 def stage_configs(config) -> list:
   """The warm start's stages as [(name, config)]: each config is ``config`` with
   the stage's ``sft.*`` fields set (and ``sft.stages`` emptied). No stages: one,
-  named "sft", the config itself. An unknown field raises, naming the stage."""
+  named "sft", the config itself. A bad recipe raises, naming every field
+  (``sft.stages[i].field``; :func:`fbos_jax.rl.config.sft_errors`, which
+  ``validate`` runs before anything is built)."""
+  errs = config_lib.sft_errors(config)
+  if errs:
+    raise ValueError("Invalid warm start recipe:\n  - " + "\n  - ".join(errs))
   stages = tuple(config.sft.get("stages", ()) or ())
   if not stages:
     return [("sft", config)]
-  known = sorted(k for k in config.sft.keys() if k != "stages")
   out = []
   for i, st in enumerate(stages):
     st = dict(st)
-    name = str(st.pop("name", f"stage{i + 1}"))
-    bad = sorted(k for k in st if k not in known)
-    if bad:
-      raise ValueError(f"sft.stages[{i}] ({name!r}): unknown sft field(s) {bad}; a stage "
-                       f"sets fields of the sft section: {known} (and 'name')")
+    name = config_lib.stage_name(i, st)
+    st.pop("name", None)
     c = config.copy_and_resolve_references()
     with c.unlocked():
       for k, v in st.items():
         c.sft[k] = v
       c.sft.stages = ()
-    if int(c.sft.steps) < 1:
-      raise ValueError(f"sft.stages[{i}] ({name!r}): steps={c.sft.steps}: must be >= 1")
     out.append((name, c))
   return out
+
+
+def set_total_steps(config, total: int):
+  """Set the warm start to ``total`` steps: ``sft.steps``, and with stages each
+  stage's steps in the recipe's proportions (largest remainders, at least 1
+  each), so that they sum to ``total`` (``launch/compare.py --quick``)."""
+  stages = [dict(st) for st in (config.sft.get("stages", ()) or ())]
+  total = max(int(total), len(stages))
+  with config.unlocked():
+    config.sft.steps = total
+    if stages:
+      own = [int(st.get("steps", 1)) for st in stages]
+      exact = [total * n / sum(own) for n in own]
+      steps = [max(int(x), 1) for x in exact]
+      for i in sorted(range(len(own)), key=lambda i: steps[i] - exact[i])[:total - sum(steps)]:
+        steps[i] += 1
+      config.sft.stages = tuple(dict(st, steps=n) for st, n in zip(stages, steps))
+  return config
+
+
+def describe_steps(config) -> str:
+  """The warm start's steps as the console reports them: ``"800 steps (demos 700 +
+  own_failures 100)"``, or ``"30 steps"`` without stages."""
+  stages = stage_configs(config)
+  total = sum(int(c.sft.steps) for _, c in stages)
+  if len(stages) == 1:
+    return f"{total} steps"
+  return f"{total} steps ({' + '.join(f'{n} {c.sft.steps}' for n, c in stages)})"
 
 
 def _fingerprint(config, parts, stages: Optional[int] = None) -> dict:

@@ -187,3 +187,70 @@ def engine_shapes(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1) ->
   return {name: EngineShape(prompts, n, sampling, ecfg)
           for name, (prompts, n, sampling) in sampler_calls(
               parts, eval_prompts=eval_prompts, eval_k=eval_k).items()}
+
+
+# ----------------------------------------------------------------------------- the compile set
+#
+# Every program a run can call, not only the largest: what the run compiles before
+# its first step (fbos_jax/compile_set.py) and what the plan counts. Per process,
+# as the samplers and the trainer bucket their calls.
+
+
+def _per_process(n: int, processes: int) -> int:
+  return -(-int(n) // max(int(processes), 1))
+
+
+def sampler_programs(parts: RunParts, batch_shards: int, processes: int = 1, *,
+                     eval_prompts: int = 0, eval_k: int = 1) -> dict:
+  """{call name: (SamplingConfig, n, [(batch bucket, prompt bucket), ...])}: every
+  static-sampler program the calls of :func:`sampler_calls` can take. A call of k
+  prompts is cut into :func:`fbos_jax.sampling.call_buckets` chunks; k is fixed
+  for round 1 and the eval, and anything from 1 to its most for round 2 (the
+  prompts with a FAP); any of the call's prompt buckets."""
+  from fbos_jax import sampling as sampling_lib
+  local = max(int(batch_shards) // processes, 1) if processes > 1 else 1
+  out = {}
+  for name, (prompts, n, sampling) in sampler_calls(
+      parts, eval_prompts=eval_prompts, eval_k=eval_k).items():
+    most = _per_process(prompts, processes)
+    counts = range(1, most + 1) if name == "sample_round2" else (most,)
+    bbs = sorted({b for k in counts
+                  for b in sampling_lib.call_buckets(k, sampling.batch_buckets, local)})
+    out[name] = (sampling, n, [(b, int(p)) for b in bbs
+                               for p in sorted(set(sampling.prompt_buckets))])
+  return out
+
+
+def engine_runs(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1) -> list:
+  """[(call names, SamplingConfig, most samples per request)]: one entry per
+  engine the calls of :func:`sampler_calls` run on (calls with the same sampler
+  settings share one engine and its programs; ``rl.stream_rounds`` runs round 1
+  and round 2 in one engine, under round 2's settings)."""
+  calls = sampler_calls(parts, eval_prompts=eval_prompts, eval_k=eval_k)
+  if parts.rollout.stream_rounds and "sample_round2" in calls:
+    _, n1, _ = calls.pop("sample_round1")
+    p2, n2, s2 = calls.pop("sample_round2")
+    calls = {"rounds (streamed)": (p2, max(n1, n2), s2), **calls}
+  runs: dict = {}
+  for name, (_, n, sampling) in calls.items():
+    names, most = runs.get(sampling, ((), 0))
+    runs[sampling] = (names + (name,), max(most, int(n)))
+  return [(names, sampling, most) for sampling, (names, most) in runs.items()]
+
+
+def update_programs(parts: RunParts, batch_shards: int, processes: int = 1) -> list:
+  """Every {batch name: UpdateShape} the trainer's update can be called with:
+  each batch at any of its prompt buckets and row buckets (one row bucket with
+  ``rl.fixed_row_buckets``), all combinations (one program per combination)."""
+  import itertools
+  local = max(int(batch_shards) // processes, 1)
+  prompts = _per_process(parts.rollout.prompts_per_step, processes)
+  r = parts.sampling.round1.max_new_tokens
+  per_batch = []
+  for name in parts.update.batch_names:
+    pb, _ = batch_prompt_buckets(parts, name)
+    most = batch_rows(parts, name, prompts)
+    rows = sorted({padded_rows(parts, name, k, local, prompts=prompts)
+                   for k in range(0, most + 1)})
+    per_batch.append([UpdateShape(n, int(p), r) for n in rows for p in sorted(set(pb))])
+  return [dict(zip(parts.update.batch_names, combo)) for combo in itertools.product(*per_batch)]

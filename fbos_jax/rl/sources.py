@@ -1,7 +1,10 @@
 """Rollout sources: where the one training loop (``fbos_jax/rl/trainer.py``) gets its batches.
 
 The trainer asks its source for step batch k (``take``), checks its staleness,
-updates, and hands the source the new params (``publish``). One loop, three
+updates, and hands the source the new params (``publish``). The params come as
+``policy``, a callable that returns the trainer's compute copy
+(``RLTrainer.rollout_params``: ``model.compute_dtype``, made once per version on
+its first call): a source calls it only when it samples with or sends them. One loop, three
 sources (tunix's shape: one learner fed by a queue, whatever the meshes):
 
 * :class:`InlineSource` (the synchronous loop): batch k is sampled when the
@@ -106,13 +109,14 @@ class StepItem:
   info: dict = dataclasses.field(default_factory=dict)
 
 
-def train_iterator(config, tokenizer):
-  """This process's training prompts (its share of ``rl.prompts_per_step`` on its side)."""
+def train_iterator(config, ctx):
+  """This process's training prompts (its share of ``rl.prompts_per_step`` on its
+  side); ``ctx``: the run's RolloutContext (its typed parts and tokenizer)."""
   pi, pc = distributed.process_index(), distributed.process_count()
   return data_lib.make_prompt_iterator(
-      config.data, batch_size=int(config.rl.prompts_per_step) // pc, process_index=pi,
+      config.data, batch_size=ctx.spec.prompts_per_step // pc, process_index=pi,
       process_count=pc, seed=state_lib.data_seed(config.seed, config.data.shuffle_seed),
-      tokenizer=tokenizer, templates_config=config.templates)
+      tokenizer=ctx.tokenizer, templates_config=config.templates)
 
 
 def _iter_state(it) -> Any:
@@ -165,10 +169,12 @@ class InlineSource:
   def __init__(self, ctx, iterator):
     self.ctx, self.iterator, self.busy_s = ctx, iterator, Busy()
 
-  def start(self, state, step: int, stop: int, params):
+  def start(self, state, step: int, stop: int, policy):
     pass
 
-  def take(self, state, k: int, params) -> StepItem:
+  def take(self, state, k: int, policy) -> StepItem:
+    params = policy()
+    state_lib.check_compute_params(params, self.ctx.model_cfg, "the inline rollout")
     self.busy_s.mark(True)
     try:
       examples = next(self.iterator)
@@ -179,7 +185,7 @@ class InlineSource:
       self.busy_s.mark(False)
     return StepItem(k, traj, _iter_state(self.iterator), int(state.step))
 
-  def publish(self, params, version: int) -> dict:
+  def publish(self, policy, version: int) -> dict:
     return {}
 
   def data_state(self):
@@ -379,31 +385,36 @@ class ThreadSource:
   def busy_s(self) -> float:
     return self.worker.busy_s() if self.worker is not None else 0.0
 
-  def start(self, state, step: int, stop: int, params):
+  def start(self, state, step: int, stop: int, policy):
     self._consumed = _iter_state(self.iterator)
-    self.publish(params, int(state.step))
+    self.publish(policy, int(state.step))
     self.worker = RolloutWorker(self.ctx, self.store, self.buffer, self.iterator, rng=state.rng,
                                 gfpo=state.gfpo, start=step, stop=stop,
                                 max_staleness=self.acfg.max_staleness)
     self.worker.start()
 
-  def take(self, state, k: int, params) -> StepItem:
+  def take(self, state, k: int, policy) -> StepItem:
     depth = len(self.buffer) * self.ctx.spec.prompts_per_step
     item = self.buffer.take(k)
     self._consumed = item.data_state
     item.info["async/buffer_depth"] = depth
     return item
 
-  def publish(self, params, version: int) -> dict:
-    """``params`` onto the rollout mesh (a chunked device-to-device sync; a copy
+  def publish(self, policy, version: int) -> dict:
+    """``policy()`` (the trainer's compute copy, ``model.compute_dtype``; never the
+    float32 master) onto the rollout mesh (a chunked device-to-device sync; a copy
     colocated), published as ``version``."""
+    params = policy()
     if self.sync is None:
       specs = state_lib.param_specs(self.ctx.parts, self.rollout_mesh, self.rules)
       abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                              sharding=a.sharding), params)
+      # colocated, a compute copy is already apart from the master the update donates:
+      # no second copy is needed for the rollout to sample beside the update
+      eta = (0 if state_lib.needs_compute_copy(self.ctx.parts.model)
+             else self.acfg.max_staleness)
       self.sync = weight_sync.make_sync(abstract, specs, self.rollout_mesh,
-                                        colocated=self.colocated,
-                                        max_staleness=self.acfg.max_staleness,
+                                        colocated=self.colocated, max_staleness=eta,
                                         chunk_bytes=self.acfg.sync_chunk_bytes)
     params, stats = self.sync(params)
     self.store.publish(params, version)

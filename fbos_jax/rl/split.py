@@ -98,8 +98,9 @@ def check_rows(parts, trainer_mesh, rollout_mesh, rules):
 def split_bytes(parts, trainer_mesh, rollout_mesh, rules) -> dict:
   """Per-device bytes each side must hold besides its programs' temporaries:
   trainer params + optimizer state + float32 gradients (+ the KL reference);
-  rollout two copies of the params (the one sampling and the one arriving with
-  an in-flight update). Meshes may be abstract (shapes only)."""
+  rollout two compute copies of the params (``model.compute_dtype``: the one
+  sampling and the one arriving with an in-flight update). Meshes may be abstract
+  (shapes only)."""
   from jax.sharding import PartitionSpec as P
   from fbos_jax import optim as optim_lib
   from fbos_jax.model import qwen
@@ -113,7 +114,8 @@ def split_bytes(parts, trainer_mesh, rollout_mesh, rules) -> dict:
   trainer = (params_t * (2 if parts.update.loss.kl_beta > 0 else 1)
              + sh.per_device_bytes(opt, opt_specs, trainer_mesh)
              + sh.per_device_bytes(grads, specs, trainer_mesh))
-  rollout = 2 * sh.per_device_bytes(abstract, state_lib.param_specs(parts, rollout_mesh, rules),
+  rollout = 2 * sh.per_device_bytes(state_lib.compute_abstract(abstract, parts.model),
+                                    state_lib.param_specs(parts, rollout_mesh, rules),
                                     rollout_mesh)
   return {"trainer": trainer, "rollout": rollout}
 

