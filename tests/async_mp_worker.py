@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _parse():
@@ -38,7 +35,6 @@ def main():
   os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4 "
                              "--xla_backend_optimization_level=0")
   os.environ["JAX_PLATFORMS"] = "cpu"
-  sys.path.insert(0, _ROOT)
   from fbos_jax import distributed
   if args.num_processes > 1:
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=120)

@@ -121,7 +121,8 @@ def counting_trainer(tr, its):
   counter = CountingVerifier(text_hash_verifier)
   tr.ctx.pool.verifier = counter
   steps = []
-  tr.train_iter = Tagged(its, on_next=lambda: steps.append([]))
+  # the trainer's rollout source takes the prompts from it
+  tr.train_iter = tr.source.iterator = Tagged(its, on_next=lambda: steps.append([]))
   inner_verify = tr.ctx.verify
 
   def verify(examples, texts):

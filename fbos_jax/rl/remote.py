@@ -306,6 +306,8 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
   b, busy = ctx.spec.prompts_per_step, sources.Busy()
   capacity = acfg.buffer_batches(b)
   first, stop = start["step"], start["stop"]
+  # the trainer offers its start version (its state's step: past 0 on a resume) first
+  policy.version = first - 1
   pulled = [0.0, 0]
 
   def ready(k: int, in_flight: int = 0) -> bool:
