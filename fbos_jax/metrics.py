@@ -100,7 +100,7 @@ class MetricsWriter:
       f = _scalar(v)
       if f is not None:
         row[k] = f if math.isfinite(f) else str(f)
-        if self._tb is not None and math.isfinite(f):
+        if self._tb is not None and math.isfinite(f) and self._tb_alive():
           self._tb.add_scalar(tensorboard_tag(k), f, int(step))
       elif isinstance(v, (str, list)):
         row[k] = v
@@ -110,8 +110,22 @@ class MetricsWriter:
       f.flush()
       os.fsync(f.fileno())
 
+  def _tb_alive(self) -> bool:
+    """Whether tensorboardX's writer thread still runs. It dies on a failed write
+    (a full disk), and its bounded queue then blocks the next events forever:
+    TensorBoard events stop then (one warning); metrics.jsonl goes on."""
+    worker = getattr(getattr(getattr(self._tb, "file_writer", None), "event_writer", None),
+                     "_worker", None)
+    if worker is None or worker.is_alive():
+      return True
+    logging.warning("TensorBoard events in %s stopped (tensorboardX's writer thread "
+                    "ended: a failed write, a full disk?); metrics.jsonl goes on",
+                    os.path.dirname(self.path))
+    self._tb = None
+    return False
+
   def close(self):
-    if self._tb is not None:
+    if self._tb is not None and self._tb_alive():
       self._tb.close()
 
 

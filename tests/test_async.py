@@ -52,6 +52,28 @@ def test_eta0_split_equals_the_synchronous_loop(tmp_path, small):
                                                                            (3, 2, 2)]
 
 
+def test_the_weight_sync_sends_the_compute_copy(tmp_path, small):
+  """A float32 master with model.compute_dtype=bfloat16 on a 4 / 4 split: what the
+  rollout samples with, and what every sync moves, is the bfloat16 compute copy
+  (half the master's bytes), made once per policy version."""
+  import jax.numpy as jnp
+  c = small("configs/fbos.py:tiny", **{"train.steps": 2, "rl.rollout_devices": 4,
+                                       "rl.max_staleness": 1, "model.compute_dtype": "bfloat16",
+                                       "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = RLTrainer(c, str(tmp_path))
+  published = []
+  state, _ = tr.train(on_step=lambda s, st, m: published.append(
+      {jnp.dtype(x.dtype).name for x in jax.tree.leaves(tr.source.store.current()[0])}))
+  tr.close()
+  master = jax.tree.leaves(jax.device_get(state.params))
+  assert {np.asarray(x).dtype.name for x in master} == {"float32"}
+  assert published == [{"bfloat16"}] * 2
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  half = sum(np.asarray(x).nbytes for x in master) // 2
+  assert [r["async/sync_bytes"] for r in rows] == [4 * half] * 2  # on the 4 rollout devices
+  assert tr.policy.copies == 3  # versions 0 (start), 1 and 2
+
+
 @pytest.mark.parametrize("eta", [1, 2])
 def test_split_4_4_runs_with_bounded_staleness(tmp_path, small, eta):
   """8 fake devices split 4 / 4, eta = 1 and 2: every trained token is at most eta

@@ -47,3 +47,25 @@ def test_the_sweep_picks_the_best_stable_rate_and_refuses_when_none_is_stable():
   assert pick_learning_rate(sweep) == 1e-5
   assert pick_learning_rate({"1e-05": {"final_sampled": 0.3, "drop_greedy": -0.04},
                              "3e-05": {"final_sampled": 0.3, "drop_greedy": -0.2}}) is None
+
+
+def test_a_dead_tensorboard_writer_does_not_block_the_metrics(tmp_path):
+  """Before: on a full disk tensorboardX's writer thread died and its bounded queue
+  (10 events) blocked the run's next metrics write forever."""
+  import threading
+  w = metrics_lib.MetricsWriter(str(tmp_path))
+  w.write(1, {"a": 1.0})
+  if w._tb is None:
+    pytest.skip("tensorboardX is not installed")
+  w._tb.file_writer.event_writer._worker.stop()  # as a failed write ends it
+  done = threading.Event()
+
+  def write_rows():
+    for s in range(2, 32):
+      w.write(s, {"a": float(s), "b": 2.0})
+    w.close()
+    done.set()
+
+  threading.Thread(target=write_rows, daemon=True).start()
+  assert done.wait(120), "the metrics writer blocked on tensorboardX's full queue"
+  assert len(metrics_lib.read_jsonl(w.path)) == 31
