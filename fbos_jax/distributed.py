@@ -241,6 +241,8 @@ _BEATS: dict = {}  # process -> (its last heartbeat seen, when it changed, local
 _HEARTBEAT_TIMEOUT_S = [20.0]
 _FAILING = threading.Event()
 _WATCHING = threading.Event()
+_FINISHED = threading.Event()  # finish(): the watchdog stops
+_WATCHDOG: list = []  # its thread
 
 
 def set_heartbeat_timeout(seconds: float):
@@ -371,6 +373,11 @@ def finish():
   put_key(f"{_DONE}{jax.process_index()}", b"1")
   for p in range(jax.process_count()):
     wait_key(f"{_DONE}{p}", "the end of the run")
+  # no daemon thread inside a call to the coordination service at exit (the
+  # interpreter's end unwinding it there aborts the process: "exception not rethrown")
+  _FINISHED.set()
+  for t in _WATCHDOG:
+    t.join()
 
 
 def fail_run(error: BaseException, wait_s: float = 30.0):
@@ -415,7 +422,7 @@ def start_watchdog(poll_s: float = 1.0):
 
   def watch():
     beat = 0
-    while True:
+    while not _FINISHED.is_set():
       try:
         beat += 1
         put_key(f"{_BEAT}{me}", str(beat).encode())
@@ -427,9 +434,10 @@ def start_watchdog(poll_s: float = 1.0):
         _leave(PEER_LOST_EXIT_CODE)
       except Exception:  # noqa: BLE001 - shut down
         return
-      time.sleep(poll_s)
+      _FINISHED.wait(poll_s)
 
-  threading.Thread(target=watch, name="fbos-peer-watchdog", daemon=True).start()
+  _WATCHDOG.append(threading.Thread(target=watch, name="fbos-peer-watchdog", daemon=True))
+  _WATCHDOG[-1].start()
 
 
 # ----------------------------------------------------------------------------- reductions
