@@ -353,6 +353,8 @@ def main():
       return
   {"train": run_train, "reference": run_reference, "restore": run_restore,
    "bad_mesh": run_bad_mesh, "engine": run_engine}[ARGS.mode]()
+  if ARGS.mode in ("train", "bad_mesh", "engine"):  # as a run ends: none leaves before the
+    distributed.finish()                           # others (their peer watchdogs poll it)
   print(f"{ARGS.mode} done in {time.time() - t0:.1f}s", flush=True)
 
 

@@ -213,16 +213,17 @@ class RLTrainer:
                                        self.acfg.max_staleness))
     t1 = time.perf_counter()
     state, m = self.update_step(state, traj.ids, traj.batches, m, t0, step)
-    m.update(self.source.publish(lambda: self.rollout_params(state), int(state.step)))
+    late = self.source.publish(lambda: self.rollout_params(state), int(state.step))
     now = time.perf_counter()
     self.steps_log.write(step + 1, {"batch": item.k, "ids": traj.ids,
                                     "admit_version": item.admit_version})
     t_prev, busy_prev = self._mark
     busy, span = self.source.busy_s(), max(now - t_prev, 1e-9)
     self._mark = (now, busy)
-    m.update({"async/trainer_busy": min((now - t1) / span, 1.0),
-              "async/rollout_busy": min((busy - busy_prev) / span, 1.0),
-              "async/wait_s": waited, "async/admit_version": item.admit_version})
+    late.update({"async/trainer_busy": min((now - t1) / span, 1.0),
+                 "async/rollout_busy": min((busy - busy_prev) / span, 1.0),
+                 "async/wait_s": waited, "async/admit_version": item.admit_version})
+    m.update(distributed.mean_over_processes(late))  # the update's were reduced in it
     return state, m
 
   def update_step(self, state, ids: list, batches: dict, m: dict, t0: float, step: int):
