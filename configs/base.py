@@ -384,6 +384,10 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.rl.ppo_epochs = 1
   c.rl.mini_batches = 1  # optimizer steps per rollout batch per epoch
   c.rl.micro_batches = 1  # gradient accumulation inside one optimizer step (exact token-mean)
+  # >0: train on real tokens: each batch's sequences packed end to end (segment ids),
+  # micro-batches of this many tokens per batch shard, as many as the tokens need
+  # (fbos_jax/rl/packing.py); >= the longest row; rl.micro_batches must be 1
+  c.rl.micro_batch_tokens = 0
   c.rl.fixed_row_buckets = False  # True: one update program per run (pad rows to the max)
   c.rl.skip_nonfinite = True  # skip (and log) a step whose loss/grad is not finite; False = fatal
   # --- feedback-guided exploration (round 2); off for GRPO/GFPO

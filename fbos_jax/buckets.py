@@ -43,6 +43,18 @@ def bucket_rows(n: int, multiple: int, min_rows: int = 0) -> int:
   return round_up(max(b, multiple), multiple)
 
 
+def bucket_count(n: int) -> int:
+  """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x
+  them) >= n: counts (a packed batch's micro-batches) that a run compiles a
+  handful of programs for, wasting at most a third of a step."""
+  n, b = max(int(n), 1), 1
+  while True:
+    for c in (b, 3 * b // 2):
+      if c >= n:
+        return c
+    b *= 2
+
+
 def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, *, rows: int = 0,
              what: str = "prompt", field: str = "") -> tuple[np.ndarray, np.ndarray]:
   """Left-pad token sequences to ``length``.

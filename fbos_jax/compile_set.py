@@ -92,9 +92,16 @@ def _sampler_jobs(ctx, params, key, scfg, n: int, buckets: list) -> list:
   return [functools.partial(job, bb, plen) for bb, plen in buckets]
 
 
-def _empty_batch(shape: shapes_lib.UpdateShape, pad_id: int):
+def _empty_batch(shape, pad_id: int):
+  """A batch of ``shape`` (an UpdateShape: a PolicyBatch; a PackedShape: a
+  PackedBatch, packed as the trainer packs) without a sequence."""
   from fbos_jax.rl.batch import make_policy_batch
   r = shape.response_len
+  if isinstance(shape, shapes_lib.PackedShape):
+    from fbos_jax.rl import packing
+    padded = _empty_batch(shapes_lib.UpdateShape(0, shape.seq_len - r, r), pad_id)
+    return packing.pack(padded, packing.layout(padded), rows=shape.rows,
+                        micro_batches=shape.micro_batches)
   return make_policy_batch([], np.zeros((0, r), np.int32), np.zeros((0, r), np.int32),
                            np.zeros((0,), np.float32), np.zeros((0, r), np.float32),
                            np.zeros((0,), bool), prompt_len=shape.prompt_len,

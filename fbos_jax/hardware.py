@@ -439,6 +439,10 @@ def roofline(model_cfg, mesh, chip: ChipSpec, sampler_shapes: dict, reports: dic
   if upd is not None:  # its FLOPs already count every epoch and mini-batch
     t = upd.flops / (n_dev * peak)
     out["update"] = {"total_s": t}
+    layouts = getattr(upd, "flops_by_layout", None)
+    if layouts:  # the padded and the packed update side by side
+      out["update"].update(layouts, padded_s=layouts["padded"] / (n_dev * peak),
+                           packed_s=layouts["packed"] / (n_dev * peak))
     for k in step:
       step[k] += t
     useful += upd.flops
@@ -446,4 +450,8 @@ def roofline(model_cfg, mesh, chip: ChipSpec, sampler_shapes: dict, reports: dic
   out["step_s_static"] = step["static"]
   out["step_s_continuous"] = step["continuous"] if engine_shapes else None
   out["mfu_bound"] = useful / (out["step_s"] * n_dev * peak) if out["step_s"] else 0.0
+  if "padded_s" in out.get("update", {}):
+    u = out["update"]
+    out["step_s_by_update"] = {k: out["step_s"] - u["total_s"] + u[f"{k}_s"]
+                               for k in ("padded", "packed")}
   return out

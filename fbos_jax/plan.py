@@ -62,19 +62,27 @@ class Program:
   what: str  # one line: the shapes
   knobs: str  # the config fields that shrink it
   refused: str = ""  # why the program cannot be built (the engine refuses its config)
+  flops_by_layout: Optional[dict] = None  # update: {"padded", "packed"} analytic FLOPs
   # per-device bytes held while it runs that are not its arguments: during sampling,
   # the train state (the float32 master and Adam's moments) beside the compute copy
   resident: int = 0
 
 
-def _abstract_batch(shape: shapes_lib.UpdateShape, mesh, rules):
-  from fbos_jax.rl.batch import PolicyBatch
+def _abstract_batch(shape, mesh, rules):
+  """The abstract PolicyBatch of an UpdateShape, or PackedBatch of a PackedShape."""
+  from fbos_jax.rl.batch import PackedBatch, PolicyBatch
 
   def arr(dims, dtype):
     spec = sh.fit_spec(sh.batch_spec(len(dims), rules=rules), dims, mesh)
     return jax.ShapeDtypeStruct(dims, dtype, sharding=NamedSharding(mesh, spec))
 
   n, t, r = shape.rows, shape.seq_len, shape.response_len
+  if isinstance(shape, shapes_lib.PackedShape):
+    f32 = lambda: arr((n, t), jnp.float32)
+    return PackedBatch(tokens=arr((n, t), jnp.int32), segment_ids=arr((n, t), jnp.int32),
+                       loss_mask=f32(), advantages=f32(), old_logp=f32(),
+                       is_offpolicy=arr((n, t), jnp.bool_), seq_weight=f32(), response_len=r,
+                       micro_batches=shape.micro_batches)
   return PolicyBatch(tokens=arr((n, t), jnp.int32), attn_mask=arr((n, t), jnp.int32),
                      loss_mask=arr((n, r), jnp.float32), advantages=arr((n,), jnp.float32),
                      old_logp=arr((n, r), jnp.float32), is_offpolicy=arr((n,), jnp.bool_))
@@ -160,28 +168,63 @@ def _engine_programs(name, shape: shapes_lib.EngineShape, parts, mesh, rules,
           for k, (fn, args) in ((k, progs[f"engine_{k}"]) for k in ENGINE_KINDS)]
 
 
-def _update_program(parts, mesh, rules, state, batch_shapes: dict) -> Program:
-  from fbos_jax.rl import update as update_lib
+def update_flops(parts, batch_shapes: dict) -> float:
+  """Analytic FLOPs of one update (all devices) over ``batch_shapes`` ({name:
+  UpdateShape or PackedShape}): each term's forward + backward (a packed row's
+  attention over its whole causal triangle, its log-probs at every position),
+  the frozen reference and pi_prox when configured, every epoch."""
   ucfg = parts.update
-  jitted = update_lib.compiled_update(parts, mesh, rules)
-  batches = {name: _abstract_batch(s, mesh, rules) for name, s in batch_shapes.items()}
   flops = 0.0
   for t in ucfg.terms:
     s = batch_shapes[t.batch]
-    kw = dict(rows=s.rows, seq=s.seq_len, response_len=s.response_len)
+    kw = dict(rows=s.rows, seq=s.seq_len, response_len=s.scored_len)
     flops += hw.analytic_flops(parts.model, kind="train", remat=parts.model.remat, **kw)
     if ucfg.loss.kl_beta > 0:  # the frozen reference's log-probs
       flops += hw.analytic_flops(parts.model, kind="logprob", **kw)
     if t.loss == "decoupled":  # pi_prox, in the same program
       flops += hw.analytic_flops(parts.model, kind="logprob", **kw)
-  flops *= ucfg.epochs
-  what = ", ".join(f"{name.upper()} {s.rows} rows x ({s.prompt_len} + {s.response_len})"
-                   for name, s in batch_shapes.items())
-  what += (f"; {ucfg.epochs} epoch(s) x {ucfg.mini_batches} mini-batch(es) x "
-           f"{ucfg.micro_batches} micro-batches")
-  knobs = ("rl.micro_batches (more = fewer rows at once), rl.mini_batches, model.remat, "
-           "rl.prompts_per_step, sampling.max_new_tokens, mesh (more fsdp)")
-  return Program("update", jitted, (state, batches), flops, what, knobs)
+  return flops * ucfg.epochs
+
+
+def _update_program(parts, mesh, rules, state, lengths: hw.ResponseLengths) -> Program:
+  """The update at its largest shapes (padded, or packed with every sequence at
+  its full length), with the analytic FLOPs of both layouts under ``lengths``
+  (padded: the largest shapes, which a padded step always computes; packed: the
+  sequences the shape model draws, ``rl.micro_batch_tokens`` or the padded
+  micro-batch's tokens)."""
+  from fbos_jax.rl import update as update_lib
+  ucfg = parts.update
+  shards = sh.batch_shard_count(mesh, rules)
+  padded = shapes_lib.update_shapes(parts, shards)
+  modelled = shapes_lib.packed_update_shapes(parts, shards, lengths=lengths)
+  flops = {"padded": update_flops(parts, padded), "packed": update_flops(parts, modelled)}
+  budget = shapes_lib.micro_batch_budget(parts, shards)
+  if ucfg.packed:
+    batch_shapes = shapes_lib.packed_update_shapes(parts, shards)
+    what = ", ".join(f"{name.upper()} {s.rows} packed rows x {s.seq_len}"
+                     for name, s in batch_shapes.items())
+    what += (f"; {ucfg.epochs} epoch(s) x {ucfg.mini_batches} mini-batch(es) x micro-batches "
+             f"of {budget:,} tokens per batch shard (at most "
+             f"{max(s.micro_batches for s in batch_shapes.values())})")
+    knobs = ("rl.micro_batch_tokens (fewer = less at once), rl.mini_batches, model.remat, "
+             "sampling.max_new_tokens, prompt buckets, mesh (more fsdp)")
+  else:
+    batch_shapes = padded
+    what = ", ".join(f"{name.upper()} {s.rows} rows x ({s.prompt_len} + {s.response_len})"
+                     for name, s in batch_shapes.items())
+    what += (f"; {ucfg.epochs} epoch(s) x {ucfg.mini_batches} mini-batch(es) x "
+             f"{ucfg.micro_batches} micro-batches")
+    knobs = ("rl.micro_batches (more = fewer rows at once), rl.mini_batches, model.remat, "
+             "rl.prompts_per_step, sampling.max_new_tokens, mesh (more fsdp)")
+  jitted = update_lib.compiled_update(parts, mesh, rules)
+  batches = {name: _abstract_batch(s, mesh, rules) for name, s in batch_shapes.items()}
+  real = sum(s.real_tokens for s in modelled.values())
+  flops["packed_budget"], flops["packed_this_run"] = budget, ucfg.packed
+  flops["packed_rows"] = {n: (s.rows, s.seq_len, s.micro_batches) for n, s in modelled.items()}
+  flops["real_token_frac_padded"] = real / sum(s.rows * s.seq_len for s in padded.values())
+  flops["real_token_frac_packed"] = real / sum(s.rows * s.seq_len for s in modelled.values())
+  return Program("update", jitted, (state, batches), flops["packed" if ucfg.packed else "padded"],
+                 what, knobs, flops_by_layout=flops)
 
 
 def _wanted(only: Optional[str], name: str) -> bool:
@@ -200,7 +243,8 @@ def device_bytes(tree) -> int:
 
 
 def step_programs(parts, mesh, rules, *, eval_prompts: int = 0, eval_k: int = 1,
-                  only: Optional[str] = None, state_resident: bool = True) -> list[Program]:
+                  only: Optional[str] = None, state_resident: bool = True,
+                  lengths: hw.ResponseLengths = hw.RESPONSE_LENGTHS) -> list[Program]:
   """Every program one training step (and the periodic eval, ``eval_prompts`` >
   0) of ``parts`` runs, at the shape model's largest shapes (``only``: that one,
   or both engine programs of a call): the static sampler's calls, or with
@@ -231,8 +275,7 @@ def step_programs(parts, mesh, rules, *, eval_prompts: int = 0, eval_k: int = 1,
         progs.append(dataclasses.replace(
             _sampler_program(name, s, parts, mesh, rules, policy), resident=held))
   if _wanted(only, "update"):
-    progs.append(_update_program(parts, mesh, rules, state,
-                                 shapes_lib.update_shapes(parts, shards)))
+    progs.append(_update_program(parts, mesh, rules, state, lengths))
   return progs
 
 
@@ -254,6 +297,7 @@ class ProgramReport:
   code: int = 0
   error: str = ""  # the compiler's message when it did not compile (or the refusal)
   refused: bool = False  # not built: the engine refused its config (error says why)
+  flops_by_layout: Optional[dict] = None  # update: padded and packed FLOPs (Program's)
   resident: int = 0  # held beside it, not an argument (Program.resident)
   seconds: float = 0.0  # lowering + compiling it here
 
@@ -277,7 +321,8 @@ _OOM_RE = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
 
 
 def compile_program(prog: Program, mesh) -> ProgramReport:
-  rep = ProgramReport(prog.name, prog.what, prog.knobs, prog.flops, resident=prog.resident)
+  rep = ProgramReport(prog.name, prog.what, prog.knobs, prog.flops,
+                      flops_by_layout=prog.flops_by_layout, resident=prog.resident)
   if prog.refused:
     rep.error, rep.refused = prog.refused, True
     return rep
@@ -313,8 +358,12 @@ def _fits(rep: ProgramReport, budget: float) -> bool:
   return not rep.error and rep.peak <= budget
 
 
+def _with_update(parts, **changes):
+  return dataclasses.replace(parts, update=dataclasses.replace(parts.update, **changes))
+
+
 def _with_micro_batches(parts, m: int):
-  return dataclasses.replace(parts, update=dataclasses.replace(parts.update, micro_batches=m))
+  return _with_update(parts, micro_batches=m)
 
 
 def _with_batch_buckets(parts, buckets: tuple):
@@ -337,14 +386,17 @@ def _micro_batch_options(parts, shards: int) -> list[int]:
 
 def compile_plan(config, topology: str, *, search: bool = True,
                  progress: Optional[Callable[[str], None]] = None,
-                 lengths: hw.ResponseLengths = hw.RESPONSE_LENGTHS) -> dict:
+                 lengths: hw.ResponseLengths = hw.RESPONSE_LENGTHS,
+                 only: Optional[str] = None) -> dict:
   """Compile every program of one step of ``config`` for ``topology`` and report.
 
   With ``search``, a program that does not fit is recompiled with larger
   ``rl.micro_batches`` (update), a smaller largest ``sampling.batch_buckets``
   (static samplers) or fewer ``engine.staged`` / ``engine.slots`` (engine
   programs) to find the setting that fits; the report names it. The roofline
-  assumes the response lengths ``lengths``."""
+  assumes the response lengths ``lengths``. ``only``: compile that program (or
+  an engine call's two) alone; the roofline still times every sampler call from
+  its shapes, and ``fits`` speaks of the compiled ones."""
   devices = hw.topology_devices(topology)
   mesh = hw.target_mesh(config, devices, topology)
   rules = sh.rules_dict(config.mesh.rules)
@@ -358,7 +410,7 @@ def compile_plan(config, topology: str, *, search: bool = True,
   reports: dict[str, ProgramReport] = {}
   suggestions: dict[str, str] = {}
   for prog in step_programs(parts, mesh, rules, eval_prompts=eval_prompts,
-                            eval_k=config.train.eval_k):
+                            eval_k=config.train.eval_k, lengths=lengths, only=only):
     say(f"compiling {prog.name}: {prog.what}")
     rep = compile_program(prog, mesh)
     reports[prog.name] = rep
@@ -452,7 +504,8 @@ def format_compile_set(cset: dict) -> list[str]:
                  f", ~{g['est_seconds']:.0f} s")
   lines.append("  knobs: engine.bucket_growth (fewer row / page / chunk / copy buckets), "
                "engine.row_buckets / page_buckets / prefill_buckets, sampling.batch_buckets, "
-               "the prompt buckets, rl.fixed_row_buckets")
+               "the prompt buckets, rl.fixed_row_buckets (padded) or a larger "
+               "rl.micro_batch_tokens (packed: fewer micro-batch buckets)")
   return lines
 
 
@@ -460,6 +513,20 @@ def _search(parts, mesh, rules, name: str, budget: float, say, eval_prompts: int
             eval_k: int) -> str:
   """The smallest change of one knob that makes program ``name`` fit, as a flag."""
   shards = sh.batch_shard_count(mesh, rules)
+  if name == "update" and parts.update.packed:
+    budget_now, longest = parts.update.micro_batch_tokens, max(
+        s.seq_len for s in shapes_lib.update_shapes(parts, shards).values())
+    while budget_now // 2 >= longest:
+      budget_now //= 2
+      prog = step_programs(_with_update(parts, micro_batch_tokens=budget_now), mesh, rules,
+                           only=name)[0]
+      say(f"  retry {name} with rl.micro_batch_tokens={budget_now}")
+      rep = compile_program(prog, mesh)
+      if _fits(rep, budget):
+        return f"--config.rl.micro_batch_tokens={budget_now} (peak {rep.peak / GiB:.1f} GiB)"
+    return (f"no rl.micro_batch_tokens fits (down to the longest row, {longest} tokens); "
+            "shrink the sequence (sampling.max_new_tokens, prompt buckets), use "
+            "model.remat='full', or add devices")
   if name == "update":
     for m in _micro_batch_options(parts, shards):
       prog = step_programs(_with_micro_batches(parts, m), mesh, rules, only=name)[0]
@@ -541,6 +608,10 @@ def fit_micro_batches(config, topology: str, *, progress=None) -> tuple[int, dic
   budget = hw.fit_fraction(devices[0]) * hw.hbm_bytes(devices[0])
   say = progress or (lambda s: None)
   parts = plan_parts(config)
+  if parts.update.packed:
+    raise PlanError("--fit_micro_batches searches rl.micro_batches of padded rows; with "
+                    "rl.micro_batch_tokens the plan itself searches the token budget "
+                    "(--dry_run --topology=...)")
   shards = sh.batch_shard_count(mesh, rules)
   rows = min(s.rows for s in shapes_lib.update_shapes(parts, shards).values())
   tried: dict = {}
@@ -654,12 +725,30 @@ def format_roofline(rf: dict) -> list[str]:
                    f"{1e3 * ct['step_s']:.2f} ms ({ct['bound']}) = {ct['total_s']:.2f} s "
                    f"({st['total_s'] / ct['total_s']:.2f}x static)" + mark("continuous"))
   if "update" in rf:
-    lines.append(f"  {'update':<14} {rf['update']['total_s']:.2f} s at peak")
+    u = rf["update"]
+    lines.append(f"  {'update':<14} {u['total_s']:.2f} s at peak")
+    if "padded_s" in u:
+      rows = ", ".join(f"{n.upper()} {r:,} x {L:,} in {m} micro-batch(es)"
+                       for n, (r, L, m) in u["packed_rows"].items())
+      lines.append(f"    padded     {u['padded']:.3e} FLOPs = {u['padded_s']:.2f} s: every row "
+                   f"at its prompt bucket + max_new_tokens ({100 * u['real_token_frac_padded']:.0f}"
+                   f"% of the positions are real tokens)" + (" <- this run" if not u.get(
+                       "packed_this_run") else ""))
+      lines.append(f"    packed     {u['packed']:.3e} FLOPs = {u['packed_s']:.2f} s "
+                   f"({u['packed_s'] / u['padded_s']:.2f}x): the sequences end to end, "
+                   f"micro-batches of {u['packed_budget']:,} tokens per batch shard: {rows} "
+                   f"({100 * u['real_token_frac_packed']:.0f}% real; ASSUMED lengths above, FAPs "
+                   "= their largest bucket less a response's room + an attempt of those "
+                   "lengths)" + (" <- this run" if u.get("packed_this_run") else ""))
   both = (f"static >= {rf['step_s_static']:.2f} s, continuous >= "
           f"{rf['step_s_continuous']:.2f} s" if rf.get("step_s_continuous") else "")
   lines.append(f"  one step (rounds + update, eval excluded): >= {rf['step_s']:.2f} s with the "
                f"{rf['engine']} sampler ({both}); MFU bound {100 * rf['mfu_bound']:.0f}% "
                "(FLOPs of the generated tokens and the update; decode is memory-bound)")
+  if rf.get("step_s_by_update"):
+    b = rf["step_s_by_update"]
+    lines.append(f"  one step with the padded update >= {b['padded']:.2f} s, with the packed "
+                 f"update >= {b['packed']:.2f} s")
   lines.append("  assumptions: the response lengths above; a static call decodes every row "
                "until its longest stops; the engine refills a slot the step its row stops "
                "(staged rows), reads only live rows' pages and computes every slot; no host "
@@ -675,6 +764,9 @@ def plan_json(plan: dict) -> dict:
                            "argument_bytes": r.argument, "compile_s": r.seconds}
                        for k, r in plan["programs"].items()},
           "est_step_s": plan["est_step_s"], "mfu_bound": plan["roofline"]["mfu_bound"],
+          "update_s": {k: plan["roofline"].get("update", {}).get(f"{k}_s")
+                       for k in ("padded", "packed")},
+          "est_step_s_by_update": plan["roofline"].get("step_s_by_update"),
           "sampler": plan["sampler"],
           "est_step_s_static": plan["roofline"]["step_s_static"],
           "est_step_s_continuous": plan["roofline"]["step_s_continuous"],

@@ -214,6 +214,12 @@ def batch_shard_count(mesh, rules=None) -> int:
   return math.prod(mesh.shape[a] for a in batch_axes(rules) if a in mesh.shape)
 
 
+def local_batch_shard_count(mesh, rules=None) -> int:
+  """The batch shards of this process's devices: each host builds its rows
+  (a multiple of this) and contributes them to the global batch."""
+  return max(batch_shard_count(mesh, rules) // jax.process_count(), 1)
+
+
 def constrain(x, mesh, logical_axes, rules):
   """with_sharding_constraint by logical names; a no-op without a mesh."""
   if mesh is None:

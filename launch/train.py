@@ -22,6 +22,8 @@ flags.DEFINE_bool("dry_run", False, "Plan without training or allocating: with -
                   "not fit); with --mesh_devices, a quick abstract estimate.")
 flags.DEFINE_string("topology", "", "--dry_run target, a TPU topology such as v5p:2x4x4, "
                     "v5e:2x4, v6e:2x4, v4:2x2x2 (needs `pip install libtpu==0.0.42.1`).")
+flags.DEFINE_string("programs", "", "With --dry_run --topology: compile only this program "
+                    "(e.g. update, sample_round2); the roofline still times every call.")
 flags.DEFINE_bool("fit_micro_batches", False, "With --dry_run --topology: compile the update "
                   "at 1, 2, 4, ... micro-batches and print the fewest that fit.")
 flags.DEFINE_integer("mesh_devices", 0, "Plan for this many devices (abstract mesh) in --dry_run.")
@@ -107,7 +109,7 @@ def _compiled_dry_run(config, topology: str):
       sys.exit(1)
     return
   try:
-    plan = plan_lib.compile_plan(config, topology, progress=say)
+    plan = plan_lib.compile_plan(config, topology, progress=say, only=FLAGS.programs or None)
   except plan_lib.PlanError as e:
     raise app.UsageError(str(e)) from None
   print(plan_lib.format_compiled_plan(plan))

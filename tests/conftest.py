@@ -45,3 +45,23 @@ def one_device_mesh():
   """A mesh over the first device."""
   from fbos_jax.testing.small import one_device_mesh as mesh
   return mesh()
+
+
+def pytest_pyfunc_call(pyfuncitem):
+  """A test marked ``isolated`` runs in a fresh interpreter (``pytest -n 0 NODEID``), its
+  output shown when it fails. For the SFT update's compiles: XLA's CPU compiler
+  segfaulted compiling them inside CI's xdist workers after other test files had run
+  there (tests/test_sft.py, in three clean-clone runs; never in a process of its own,
+  and a segfault takes the whole worker and xdist's run with it)."""
+  if pyfuncitem.get_closest_marker("isolated") is None or os.environ.get("FBOS_ISOLATED_CHILD"):
+    return None
+  import subprocess
+  import sys
+  env = dict(os.environ, FBOS_ISOLATED_CHILD="1")
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "--durations=0",
+                      pyfuncitem.nodeid], cwd=str(pyfuncitem.config.rootpath), env=env,
+                     capture_output=True, text=True)
+  if r.returncode != 0:
+    pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (exit {r.returncode}):\n"
+                f"{r.stdout[-8000:]}\n{r.stderr[-4000:]}", pytrace=False)
+  return True

@@ -137,6 +137,81 @@ def test_blocked_does_not_hold_the_score_matrix_in_forward_or_backward():
   assert blocked < scores / 8, (blocked, scores)
 
 
+# ------------------------------------------------------------------ packed rows (segment ids)
+
+
+def _segment_runs(segs):
+  """[(row, segment id, start, end)] of the contiguous non-zero runs of segs [B, T]."""
+  out = []
+  for r, row in enumerate(np.asarray(segs)):
+    start = 0
+    for i in range(1, len(row) + 1):
+      if i == len(row) or row[i] != row[start]:
+        if row[start]:
+          out.append((r, int(row[start]), start, i))
+        start = i
+  return out
+
+
+PACKED_CASES = {  # impl: (fn, per-row segment lengths (then padding), T)
+    "dense": (A.dense, [[12, 20, 9], [30, 15]], 45),
+    "blocked": (lambda *a, **kw: A.blocked(*a, block_q=16, block_kv=8, **kw),
+                [[12, 20, 9], [30, 15]], 45),
+    "pallas": (lambda *a, **kw: A.pallas(*a, block_q=128, block_kv=128, interpret=True, **kw),
+               [[70, 100, 20], [130, 70]], 200),
+}
+
+
+@pytest.mark.parametrize("impl", list(PACKED_CASES))
+def test_packed_segments_never_attend_across(impl):
+  """A row packing several sequences (segment ids, padding at the end) gives, at
+  every token of every sequence, the output and the q/k/v gradients that the
+  sequence gives alone: nothing is attended across a segment, nothing within
+  one is missed. Then changing one sequence's keys/values leaves the others'
+  outputs bit-identical."""
+  fn, lengths, t = PACKED_CASES[impl]
+  b, h, kv, dh = len(lengths), 4, 2, 32 if impl == "pallas" else 16
+  segs = np.zeros((b, t), np.int32)
+  for r, ls in enumerate(lengths):
+    segs[r, :sum(ls)] = np.repeat(np.arange(1, len(ls) + 1), ls)
+  q, k, v, w = _inputs(7, b, t, h, kv, dh)
+  valid = jnp.asarray(segs > 0, jnp.int32)
+
+  def loss(q, k, v, seg):
+    out = fn(q, k, v, (seg > 0).astype(jnp.int32), segment_ids=seg)
+    return jnp.sum(out * w * (seg > 0)[:, :, None, None]), out
+
+  vg = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  (_, out), grads = vg(q, k, v, jnp.asarray(segs))
+  runs = _segment_runs(segs)
+  assert len(runs) == sum(map(len, lengths))
+  for r, _, a, e in runs:
+    sl = lambda x: x[r:r + 1, a:e]
+    ones = jnp.ones((1, e - a), jnp.int32)
+    ref = lambda q, k, v: jnp.sum(A.dense(q, k, v, ones) * sl(w))
+    out_ref = A.dense(sl(q), sl(k), sl(v), ones)
+    g_ref = jax.grad(ref, argnums=(0, 1, 2))(sl(q), sl(k), sl(v))
+    np.testing.assert_allclose(np.asarray(out)[r, a:e], np.asarray(out_ref)[0], atol=TOL, rtol=0)
+    for name, g, gr in zip("qkv", grads, g_ref):
+      np.testing.assert_allclose(np.asarray(g)[r, a:e], np.asarray(gr)[0], atol=TOL, rtol=0,
+                                 err_msg=f"d{name} of segment at row {r} [{a}, {e})")
+  # another sequence's keys and values cannot reach this one's outputs
+  r, _, a, e = runs[0]
+  k2 = k.at[r, a:e].add(5.0)
+  v2 = v.at[r, a:e].add(5.0)
+  (_, out2), _ = vg(q, k2, v2, jnp.asarray(segs))
+  others = np.asarray(valid, bool).copy()
+  others[r, a:e] = False
+  np.testing.assert_array_equal(np.asarray(out2)[others], np.asarray(out)[others])
+  assert not np.allclose(np.asarray(out2)[r, a + 1:e], np.asarray(out)[r, a + 1:e])
+
+
+def test_positions_restart_per_segment():
+  segs = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 2]])
+  np.testing.assert_array_equal(np.asarray(qwen.positions_from_segments(segs)),
+                                [[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 0]])
+
+
 # ------------------------------------------------------------------ pallas (interpret) vs dense
 
 

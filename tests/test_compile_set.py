@@ -133,6 +133,26 @@ def test_no_compile_after_the_first_step(engine, small, one_device_mesh, tmp_pat
   assert [e.call for e in events if e.call] == []
 
 
+def test_packed_run_compiles_nothing_after_the_first_step(small, one_device_mesh, tmp_path):
+  """rl.micro_batch_tokens: the compile set holds the packed update's programs
+  (each batch at each prompt bucket x each micro-batch-count bucket of the token
+  budget), so a packed run compiles none after the start either."""
+  r = small("configs/fbos.py:tiny").sampling.max_new_tokens
+  # 4 rows of the longest FAP row per micro-batch: its batch takes 1 to 4 micro-batches
+  over = {"rl.micro_batch_tokens": 4 * (656 + r), "rl.fixed_row_buckets": False}
+  report, hist, events = _run(small, one_device_mesh, tmp_path, **over)
+  c = small("configs/fbos.py:tiny", **{"sampling.prompt_buckets": (32,),
+                                       "sampling.fap_prompt_buckets": (128, 656), **over})
+  combos = shapes.update_programs(config_lib.build_parts(c), 1)
+  assert all(isinstance(s, shapes.PackedShape) for combo in combos for s in combo.values())
+  assert report["groups"]["update"]["programs"] == len(combos) > 1
+  rows = [r for r in hist if "compile/after_start" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert [r["compile/after_start"] for r in rows[1:]] == [0, 0], events
+  assert [e.call for e in events if e.call] == []
+  assert all(0 < r["update/real_token_frac"] <= 1 for r in rows)
+
+
 def test_compile_after_start_is_counted_and_named(caplog):
   """A tracked program compiled after the start: counted, and the warning names
   the program and the shapes of the call."""

@@ -211,3 +211,25 @@ def test_data_parallel_shards_exact():
     np.testing.assert_allclose(float(v_dp[i]), float(whole[mode][0]), rtol=0, atol=1e-6, err_msg=mode)
     np.testing.assert_allclose(np.asarray(jac_dp[i]), np.asarray(whole[mode][1]), rtol=0, atol=1e-6,
                                err_msg=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_seq_weight_gives_the_pair_of_the_rows_it_packs(mode, float_mask):
+  """Rows laid end to end in one row (with ``seq_weight`` = 1 / the sequence's mask
+  sum) aggregate to the pair of the rows themselves, in every mode."""
+  loss, mask = _batch(3)
+  m = np.where(mask, np.random.default_rng(4).uniform(0.5, 2.0, mask.shape), 0.0) if float_mask \
+      else mask.astype(np.float64)
+  m = m.astype(np.float32)
+  count = m.sum(1, keepdims=True)
+  w = np.where(count > 0, 1.0 / np.where(count > 0, count, 1.0), 0.0) * (m != 0)
+  packed = lambda x: x.reshape(1, -1)
+  s_rows, d_rows = _agg(loss, m, mode=mode, norm_len=T)
+  s_pack, d_pack = K.aggregate(packed(loss), packed(m), mode, norm_len=T,
+                               seq_weight=packed(w.astype(np.float32)))
+  np.testing.assert_allclose(float(s_pack), float(s_rows), rtol=1e-6)
+  np.testing.assert_allclose(float(d_pack), float(d_rows), rtol=1e-6)
+  if mode != "token-mean":  # without the weights, the packed row is one sequence
+    _, d_one = K.aggregate(packed(loss), packed(m), mode, norm_len=T)
+    assert float(d_one) == 1.0 != float(d_rows)

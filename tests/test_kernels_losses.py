@@ -317,3 +317,22 @@ def test_gradients_match_finite_differences(name):
     check_grads(scalar, (x,), order=1, modes=("rev",), eps=1e-6, atol=1e-6, rtol=1e-6)
     g = jax.jit(jax.grad(scalar))(x)
     assert np.any(np.asarray(g) != 0)
+
+
+@pytest.mark.parametrize("name", ["policy_gradient", "decoupled"])
+def test_per_token_offpolicy_flag_equals_per_row(name):
+  """``is_offpolicy`` [B, T] (rows packing several sequences) gives what the
+  per-row flag [B] gives when every token of a row carries its row's flag; a
+  flag of another shape is refused."""
+  logp, old, adv = _data(5, spread=3.0)
+  flag = np.array([True, False, True, False])
+  kw = dict(old_logp=old, adv=adv, mask=np.ones_like(logp))
+  if name == "decoupled":
+    kw["prox_logp"] = old + 0.1
+  fn = K.get_policy_loss(name)
+  row = fn(logp, is_offpolicy=flag, **kw)
+  tok = fn(logp, is_offpolicy=np.broadcast_to(flag[:, None], logp.shape), **kw)
+  for a, b in zip(row, tok):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match="is_offpolicy"):
+    fn(logp, is_offpolicy=flag[:, None], **kw)

@@ -438,3 +438,28 @@ def test_split_plan_puts_the_engine_programs_on_the_rollout_side(monkeypatch):
   monkeypatch.setattr(plan_async.shapes_lib, "sampler_shapes", lambda *a, **k: {})
   with pytest.raises(RuntimeError, match="no program of the rollout side"):
     plan_async.compile_split_plan(c, "v5p:2x2x1", 2)
+
+
+@needs_libtpu
+def test_packed_update_compiles_with_splash_and_the_plan_prints_both_layouts():
+  """rl.micro_batch_tokens: the packed update (segment ids through the splash
+  kernel) compiles for 4 v5p chips and fits; the roofline prints the padded and
+  the packed update's FLOPs and time, this run's marked, and the JSON line both."""
+  c = small_real_heads()
+  c.model.attention = "pallas"
+  c.rl.micro_batches = 1
+  c.rl.micro_batch_tokens = 2 * (64 + 32)
+  plan = plan_lib.compile_plan(c, "v5p:2x2x1", search=False, only="update")
+  rep = plan["programs"]["update"]
+  assert list(plan["programs"]) == ["update"] and not rep.error, rep.error
+  assert 0 < rep.peak <= hw.FIT_FRACTION * plan["hbm_bytes"]
+  assert "packed rows x 96" in rep.what and "192 tokens per batch shard" in rep.what
+  u = plan["roofline"]["update"]
+  assert u["packed_this_run"] and u["total_s"] == u["packed_s"] and u["padded_s"] > 0
+  text = plan_lib.format_compiled_plan(plan)
+  padded_line = next(ln for ln in text.splitlines() if ln.strip().startswith("padded "))
+  packed_line = next(ln for ln in text.splitlines() if ln.strip().startswith("packed "))
+  assert "<- this run" in packed_line and "<- this run" not in padded_line
+  assert "one step with the padded update" in text
+  js = plan_lib.plan_json(plan)
+  assert js["update_s"] == {"padded": u["padded_s"], "packed": u["packed_s"]}

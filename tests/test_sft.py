@@ -44,6 +44,7 @@ def test_demonstrations_are_verified_and_corrections_are_faps(tmp_path):
   tr.close()
 
 
+@pytest.mark.isolated  # the SFT update's compile: see tests/conftest.py
 def test_sft_lowers_both_nlls_and_is_cached(tmp_path):
   c, tr = _setup(tmp_path)
   state = tr.init_state()
@@ -92,6 +93,7 @@ def test_self_corrections_are_the_models_own_failures(tmp_path):
   tr.close()
 
 
+@pytest.mark.isolated  # the SFT update's compile: see tests/conftest.py
 def test_self_corrections_start_mid_run_and_the_recipe_is_fingerprinted(tmp_path):
   c, tr = _setup(tmp_path, **{"sft.corrections": "self", "sft.self_corrections_from": 0.5,
                               "sft.steps": 4})
@@ -140,6 +142,7 @@ def test_stage_configs_apply_each_stages_fields(tmp_path):
   tr.close()
 
 
+@pytest.mark.isolated  # the SFT update's compile: see tests/conftest.py
 def test_stages_run_in_order_and_a_stopped_warm_start_resumes(tmp_path, monkeypatch, capsys):
   """A straight run trains stage 1 then stage 2. A run stopped during stage 2 keeps
   stage 1's cache; the next run resumes at stage 2 (it does not train stage 1
@@ -188,6 +191,7 @@ def test_stages_run_in_order_and_a_stopped_warm_start_resumes(tmp_path, monkeypa
   tr.close()
 
 
+@pytest.mark.isolated  # the SFT update's compile: see tests/conftest.py
 def test_a_cache_without_its_fingerprint_is_retrained_saying_so(tmp_path, capsys):
   """Issue 23 item 4: the fingerprint is written before the params; params whose
   sft_config.json was deleted are not reused silently: they are moved aside and

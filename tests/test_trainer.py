@@ -117,3 +117,26 @@ def test_resume_is_exact_with_adaptive_gfpo(tmp_path, small, one_device_mesh):
   s = _resume_matches_straight(tmp_path, small, one_device_mesh,
                                "configs/gfpo.py:tiny,adaptive")
   assert int(s.gfpo.count) == 4 * 4  # 4 steps x 4 prompts pushed into the history
+
+
+def test_packed_run_trains_on_real_tokens(tmp_path, small, one_device_mesh):
+  """rl.micro_batch_tokens: the SFT warm start and an FBOS step train on packed
+  batches, whose positions are mostly real tokens where the padded ones are not."""
+  from fbos_jax.rl import sft as sft_lib
+  c = small("configs/fbos.py:tiny", **{"train.steps": 1})
+  padded = RLTrainer(c, str(tmp_path / "padded"), mesh=one_device_mesh)
+  _, hist_pad = padded.train()
+  padded.close()
+  longest = max(c.sampling.fap_prompt_buckets) + c.sampling.max_new_tokens
+  c = small("configs/fbos.py:tiny", **{"train.steps": 1, "rl.micro_batch_tokens": longest,
+                                       "rl.fixed_row_buckets": False, "sft.batch_size": 8,
+                                       "sft.fap_fraction": 0.25, "sft.corrections": "corrupt"})
+  tr = RLTrainer(c, str(tmp_path / "packed"), mesh=one_device_mesh)
+  state = tr.init_state()
+  params, sft_hist = sft_lib.train_sft(c, tr.ctx, state.params, state.rng, steps=1,
+                                       progress=False)
+  assert np.isfinite(sft_hist[-1]["nll"]) and sft_hist[-1]["corrections"] > 0
+  state, hist = tr.train(tr.init_state(params))
+  tr.close()
+  assert int(state.step) == 1
+  assert hist[-1]["update/real_token_frac"] > 1.5 * hist_pad[-1]["update/real_token_frac"]

@@ -8,13 +8,20 @@ G = H // K query heads per kv head, Dh head dim)::
     k     (cache)     [B, K, Dh, S]   keys stored transposed (qwen.KVCache)
     v     (cache)     [B, K, S, Dh]
     kv_valid          [B, S]          1 where slot j holds a real (non-pad) token
+    segment_ids       [B, T]          (training only) rows packing several sequences
     out               [B, T, H, Dh]
 
 Query i sits in slot ``q_offset + i`` (``q_offset`` = ``cache_index`` for the
 cache, 0 for training) and may attend to key j iff ``j <= q_offset + i`` and
-``kv_valid[b, j]``. A training batch is left-padded prompts + right-padded
-responses: ``kv_valid`` is its attention mask. Query rows with no allowed key
-(pad positions) give an unspecified finite output; callers must not read them.
+both are in the same segment. Without ``segment_ids`` every query is in
+segment 1 and key j in segment ``kv_valid[b, j]`` (1 real, 0 pad): a training
+batch of left-padded prompts + right-padded responses passes its attention
+mask. With ``segment_ids`` (packed rows: 1, 2, ... for the sequences laid end
+to end in a row, 0 for its padding) query i and key j carry
+``segment_ids[b, i]`` and ``segment_ids[b, j]``: a token never attends to
+another sequence, in every implementation (one rule, :func:`_segments`), and
+a padding query attends to padding keys. Query rows with no allowed key give
+an unspecified finite output; callers must not read them.
 
 Implementations (``ModelConfig.attention``):
 
@@ -65,11 +72,33 @@ LANES = 128  # splash attention tiles are multiples of the TPU lane width
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def _causal_valid(t: int, s: int, kv_valid, q_offset):
+def _segments(kv_valid, segment_ids, t: int):
+  """(query segments [B, T], key segments [B, S]) int32 of one call: both the
+  packed rows' ``segment_ids`` when given, else every query in segment 1 and
+  key j in segment 1 (``kv_valid``) or 0 (pad). Query i may attend key j only
+  when their segments are equal (and j is in its causal reach)."""
+  if segment_ids is not None:
+    seg = segment_ids.astype(jnp.int32)
+    return seg, seg
+  kv = (kv_valid != 0).astype(jnp.int32)
+  return jnp.ones((kv.shape[0], t), jnp.int32), kv
+
+
+def _allowed(q_seg, kv_seg, q_offset):
   """[B, T, S] bool: key j allowed for query i (slot q_offset + i)."""
+  t, s = q_seg.shape[1], kv_seg.shape[1]
   qpos = jnp.arange(t)[:, None]
   kpos = jnp.arange(s)[None, :]
-  return (kpos <= qpos + q_offset)[None] & kv_valid.astype(bool)[:, None, :]
+  return (kpos <= qpos + q_offset)[None] & (q_seg[:, :, None] == kv_seg[:, None, :])
+
+
+def _check_segments(segment_ids, q, cache_layout: bool, q_offset):
+  if segment_ids is None:
+    return
+  if cache_layout or _static_int(q_offset) != 0:
+    raise ValueError("attention: segment_ids are for a training batch (no cache, q_offset 0)")
+  if segment_ids.shape != q.shape[:2]:
+    raise ValueError(f"attention: segment_ids {segment_ids.shape} must be [B, T] = {q.shape[:2]}")
 
 
 def _kv_len(k, cache_layout: bool) -> int:
@@ -79,16 +108,19 @@ def _kv_len(k, cache_layout: bool) -> int:
 # ----------------------------------------------------------------------------- dense
 
 
-def dense(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False, dtype=None):
+def dense(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False, dtype=None,
+          segment_ids=None):
   """Reference attention: materialises float32 scores [B, K, G, T, S].
 
   q [B, T, H, Dh]; k, v [B, S, K, Dh] (training) or, with ``cache_layout``,
-  k [B, K, Dh, S] and v [B, K, S, Dh]; kv_valid [B, S] -> [B, T, H, Dh].
+  k [B, K, Dh, S] and v [B, K, S, Dh]; kv_valid [B, S]; segment_ids [B, T]
+  (packed training rows, or None) -> [B, T, H, Dh].
   """
   dtype = jnp.dtype(dtype or q.dtype)
   b, t, h, dh = q.shape
   s = _kv_len(k, cache_layout)
-  mask = _causal_valid(t, s, kv_valid, q_offset)
+  _check_segments(segment_ids, q, cache_layout, q_offset)
+  mask = _allowed(*_segments(kv_valid, segment_ids, t), q_offset)
   if not cache_layout:
     kv = k.shape[2]
     qg = q.reshape(b, t, kv, h // kv, dh)
@@ -128,25 +160,28 @@ def _tile_scores(qi, kj, k_spec: str, dh: int):
                     preferred_element_type=jnp.float32) / math.sqrt(dh)
 
 
-def _tile_allowed(row0, col0, bq: int, bkv: int, q_offset, valid_j):
-  """[B, 1, 1, bq, bkv] bool for the tile whose first query row / key slot are row0 / col0."""
+def _tile_allowed(row0, col0, bq: int, bkv: int, q_offset, seg_i, seg_j):
+  """[B, 1, 1, bq, bkv] bool for the tile whose first query row / key slot are
+  row0 / col0; seg_i [B, bq] / seg_j [B, bkv]: the tile's query / key segments."""
   rows = row0 + jnp.arange(bq)[:, None] + q_offset
   cols = col0 + jnp.arange(bkv)[None, :]
-  return (cols <= rows)[None, None, None] & valid_j[:, None, None, None, :]
+  same = seg_i[:, :, None] == seg_j[:, None, :]
+  return (cols <= rows)[None, None, None] & same[:, None, None]
 
 
 def _slice_k(k, j, bkv: int, k_spec: str):
   return jax.lax.dynamic_slice_in_dim(k, j * bkv, bkv, axis=3 if k_spec == "bkds" else 2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q, k, v, kv_valid, q_offset, k_spec, bq, bkv):
-  return _flash_fwd(q, k, v, kv_valid, q_offset, k_spec, bq, bkv)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _flash(q, k, v, q_seg, kv_seg, q_offset, k_spec, bq, bkv):
+  return _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, k_spec, bq, bkv)[0]
 
 
-def _flash_fwd(q, k, v, kv_valid, q_offset, k_spec, bq, bkv):
+def _flash_fwd(q, k, v, q_seg, kv_seg, q_offset, k_spec, bq, bkv):
   """q [B, K, G, Tp, Dh]; k [B, K, Sp, Dh] ("bksd") or [B, K, Dh, Sp] ("bkds");
-  v [B, K, Sp, Dh]; kv_valid [B, Sp] bool; q_offset int32 scalar.
+  v [B, K, Sp, Dh]; q_seg [B, Tp] / kv_seg [B, Sp] int32 segments (:func:`_segments`);
+  q_offset int32 scalar.
   -> out [B, K, G, Tp, Dh] (q.dtype) and residuals incl. logsumexp [B, K, G, Tp]."""
   b, kh, g, tp, dh = q.shape
   sp = v.shape[2]
@@ -154,6 +189,7 @@ def _flash_fwd(q, k, v, kv_valid, q_offset, k_spec, bq, bkv):
 
   def q_block(_, i):
     qi = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+    seg_i = jax.lax.dynamic_slice_in_dim(q_seg, i * bq, bq, axis=1)
     # key blocks past the causal reach of this query block are skipped
     hi = jnp.clip((q_offset + (i + 1) * bq + bkv - 1) // bkv, 0, nk)
 
@@ -161,9 +197,9 @@ def _flash_fwd(q, k, v, kv_valid, q_offset, k_spec, bq, bkv):
       m, l, acc = carry
       kj = _slice_k(k, j, bkv, k_spec)
       vj = jax.lax.dynamic_slice_in_dim(v, j * bkv, bkv, axis=2)
-      valid_j = jax.lax.dynamic_slice_in_dim(kv_valid, j * bkv, bkv, axis=1)
+      seg_j = jax.lax.dynamic_slice_in_dim(kv_seg, j * bkv, bkv, axis=1)
       s = _tile_scores(qi, kj, k_spec, dh)
-      s = jnp.where(_tile_allowed(i * bq, j * bkv, bq, bkv, q_offset, valid_j), s, _NEG)
+      s = jnp.where(_tile_allowed(i * bq, j * bkv, bq, bkv, q_offset, seg_i, seg_j), s, _NEG)
       m_new = jnp.maximum(m, s.max(axis=-1))
       alpha = jnp.exp(m - m_new)
       p = jnp.exp(s - m_new[..., None])
@@ -181,11 +217,11 @@ def _flash_fwd(q, k, v, kv_valid, q_offset, k_spec, bq, bkv):
   _, (o, lse) = jax.lax.scan(q_block, None, jnp.arange(nq))
   o = jnp.moveaxis(o, 0, 3).reshape(b, kh, g, tp, dh)
   lse = jnp.moveaxis(lse, 0, 3).reshape(b, kh, g, tp)
-  return o, (q, k, v, kv_valid, q_offset, o, lse)
+  return o, (q, k, v, q_seg, kv_seg, q_offset, o, lse)
 
 
 def _flash_bwd(k_spec, bq, bkv, res, do):
-  q, k, v, kv_valid, q_offset, o, lse = res
+  q, k, v, q_seg, kv_seg, q_offset, o, lse = res
   b, kh, g, tp, dh = q.shape
   sp = v.shape[2]
   nq, nk = tp // bq, sp // bkv
@@ -195,7 +231,7 @@ def _flash_bwd(k_spec, bq, bkv, res, do):
   def kv_block(dq, j):
     kj = _slice_k(k, j, bkv, k_spec)
     vj = jax.lax.dynamic_slice_in_dim(v, j * bkv, bkv, axis=2)
-    valid_j = jax.lax.dynamic_slice_in_dim(kv_valid, j * bkv, bkv, axis=1)
+    seg_j = jax.lax.dynamic_slice_in_dim(kv_seg, j * bkv, bkv, axis=1)
     # query blocks before the first one that reaches key block j are skipped
     lo = jnp.clip((j * bkv - q_offset) // bq, 0, nq)
 
@@ -205,7 +241,8 @@ def _flash_bwd(k_spec, bq, bkv, res, do):
       doi = jax.lax.dynamic_slice_in_dim(do, i * bq, bq, axis=3)
       lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
       delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
-      allowed = _tile_allowed(i * bq, j * bkv, bq, bkv, q_offset, valid_j)
+      seg_i = jax.lax.dynamic_slice_in_dim(q_seg, i * bq, bq, axis=1)
+      allowed = _tile_allowed(i * bq, j * bkv, bq, bkv, q_offset, seg_i, seg_j)
       s = _tile_scores(qi, kj, k_spec, dh)
       p = jnp.where(allowed, jnp.exp(s - lse_i[..., None]), 0.0)  # [B, K, G, bq, bkv]
       dv_j = dv_j + jnp.einsum("bkgqs,bkgqd->bksd", p.astype(dt), doi,
@@ -229,19 +266,20 @@ def _flash_bwd(k_spec, bq, bkv, res, do):
   dk = jnp.moveaxis(dk, 0, 3 if k_spec == "bkds" else 2)
   dk = dk.reshape(k.shape)
   dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def blocked(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False,
-            block_q: int = 512, block_kv: int = 512, dtype=None):
+            block_q: int = 512, block_kv: int = 512, dtype=None, segment_ids=None):
   """Flash attention in plain XLA (see the module docstring). Same arguments as
   :func:`dense`; ``q_offset`` may be traced. Memory: a few float32 tiles
   [B, K, G, block_q, block_kv] in the forward and in the backward, plus the
   saved (q, k, v, out) and logsumexp [B, K, G, T]."""
   del dtype  # the compute dtype is q's; scores and softmax are float32
+  _check_segments(segment_ids, q, cache_layout, q_offset)
   b, t, h, dh = q.shape
   s = _kv_len(k, cache_layout)
   kh = k.shape[1] if cache_layout else k.shape[2]
@@ -259,9 +297,12 @@ def blocked(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False,
     kc, vc, k_spec = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), "bksd"
     kc = jnp.pad(kc, ((0, 0), (0, 0), (0, sp - s), (0, 0)))
   vc = jnp.pad(vc, ((0, 0), (0, 0), (0, sp - s), (0, 0)))
-  valid = jnp.pad(kv_valid.astype(bool), ((0, 0), (0, sp - s)))
+  # padded query rows / key slots are in segments no real slot has (never attended)
+  q_seg, kv_seg = _segments(kv_valid, segment_ids, t)
+  q_seg = jnp.pad(q_seg, ((0, 0), (0, tp - t)), constant_values=-2)
+  kv_seg = jnp.pad(kv_seg, ((0, 0), (0, sp - s)), constant_values=-1)
   offset = jnp.asarray(q_offset, jnp.int32)
-  out = _flash(qc, kc, vc, valid, offset, k_spec, bq, bkv)  # [B, K, G, Tp, Dh]
+  out = _flash(qc, kc, vc, q_seg, kv_seg, offset, k_spec, bq, bkv)  # [B, K, G, Tp, Dh]
   return out[:, :, :, :t].transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
 
 
@@ -276,9 +317,11 @@ def _static_int(x) -> Optional[int]:
     return None
 
 
-def _splash(q, k, v, kv_valid, q_offset: int, cache_layout: bool, block_q: int,
+def _splash(q, k, v, kv_seg, q_offset: int, cache_layout: bool, block_q: int,
             block_kv: int, interpret: bool):
-  """Unsharded splash attention (per-device shapes); arguments as :func:`pallas`."""
+  """Unsharded splash attention (per-device shapes); arguments as :func:`pallas`,
+  ``kv_seg`` [B, S] the segment of each key slot (a query in slot i has slot
+  i's): ``kv_valid`` (0 pad / 1 real) or a packed batch's ``segment_ids``."""
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
   b, t, h, dh = q.shape
@@ -302,10 +345,11 @@ def _splash(q, k, v, kv_valid, q_offset: int, cache_layout: bool, block_q: int,
     kh = jnp.pad(kh, ((0, 0), (0, 0), (0, sp - s_used), (0, 0)))
     k_layout = sa.QKVLayout.HEAD_DIM_MINOR
   vh = jnp.pad(vh, ((0, 0), (0, 0), (0, sp - s_used), (0, 0)))
-  # segment ids: a query in slot q_offset + i carries that slot's validity, so
-  # a pad query attends pad keys (at least itself) and no row is empty; padded
-  # key slots get -1 (never attended), padded query rows -2.
-  seg = kv_valid[:, :s_used].astype(jnp.int32)
+  # segment ids: a query in slot q_offset + i carries that slot's segment (its
+  # validity, or its packed sequence), so a pad query attends pad keys (at least
+  # itself) and no row is empty; padded key slots get -1 (never attended),
+  # padded query rows -2.
+  seg = kv_seg[:, :s_used].astype(jnp.int32)
   q_seg = jnp.pad(seg[:, q_offset:q_offset + t], ((0, 0), (0, tp - t)), constant_values=-2)
   kv_seg = jnp.pad(seg, ((0, 0), (0, sp - s_used)), constant_values=-1)
   blocks = sa.BlockSizes(
@@ -328,10 +372,12 @@ def _fit_axes(mesh, axes, *dims) -> Any:
 
 
 def pallas(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False,
-           block_q: int = 512, block_kv: int = 512, dtype=None, interpret: bool = False):
+           block_q: int = 512, block_kv: int = 512, dtype=None, interpret: bool = False,
+           segment_ids=None):
   """Splash attention (Pallas TPU kernel). Same arguments as :func:`dense`;
   ``q_offset`` must be static (a Python int). ``interpret=True`` runs the kernel
-  in the Pallas interpreter (any backend, slow: for tests).
+  in the Pallas interpreter (any backend, slow: for tests). The kernel takes
+  ``segment_ids`` as they are (packed rows); without them, ``kv_valid``.
 
   With a mesh in context the kernel runs under ``jax.shard_map``: batch over the
   mesh axes (dcn, data, fsdp) that divide B, heads over ``tensor`` when it divides
@@ -341,6 +387,8 @@ def pallas(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False,
   if offset is None:
     raise ValueError("model.attention='pallas' needs a static cache_index (a Python int); "
                      "use model.attention='blocked' (or 'auto') for a traced one.")
+  _check_segments(segment_ids, q, cache_layout, offset)
+  kv_seg = kv_valid if segment_ids is None else segment_ids
   s = _kv_len(k, cache_layout)
   if offset < 0 or offset + q.shape[1] > s:
     raise ValueError(f"attention: queries in slots [{offset}, {offset + q.shape[1]}) do not "
@@ -349,7 +397,7 @@ def pallas(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False,
                           block_q=block_q, block_kv=block_kv, interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or math.prod(mesh.shape.values()) == 1:
-    return run(q, k, v, kv_valid)
+    return run(q, k, v, kv_seg)
   from jax.sharding import PartitionSpec as P
   b, _, h, _ = q.shape
   kh = k.shape[1] if cache_layout else k.shape[2]
@@ -362,7 +410,7 @@ def pallas(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False,
     k_spec = v_spec = P(bat, None, hd, None)
   fn = jax.shard_map(run, mesh=mesh, in_specs=(q_spec, k_spec, v_spec, P(bat, None)),
                      out_specs=q_spec, check_vma=False)
-  return fn(q, k, v, kv_valid)
+  return fn(q, k, v, kv_seg)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -404,14 +452,17 @@ def choose(impl: str, q_len: int, kv_len: int, *, q_offset: Any = 0, block_q: in
 
 
 def attention(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = False,
-              impl: str = "auto", block_q: int = 512, block_kv: int = 512, dtype=None):
+              impl: str = "auto", block_q: int = 512, block_kv: int = 512, dtype=None,
+              segment_ids=None):
   """Causal GQA attention with the implementation :func:`choose` picks.
 
   q [B, T, H, Dh]; training k, v [B, S, K, Dh]; cache (``cache_layout``)
-  k [B, K, Dh, S], v [B, K, S, Dh]; kv_valid [B, S] -> [B, T, H, Dh]."""
+  k [B, K, Dh, S], v [B, K, S, Dh]; kv_valid [B, S]; segment_ids [B, T]
+  (packed training rows: a token attends only within its segment) or None
+  -> [B, T, H, Dh]."""
   s = _kv_len(k, cache_layout)
   which = choose(impl, q.shape[1], s, q_offset=q_offset, block_q=block_q, block_kv=block_kv)
-  common = dict(q_offset=q_offset, cache_layout=cache_layout)
+  common = dict(q_offset=q_offset, cache_layout=cache_layout, segment_ids=segment_ids)
   if which == "dense":
     return dense(q, k, v, kv_valid, dtype=dtype, **common)
   blocks = dict(block_q=block_q, block_kv=block_kv, **common)
@@ -419,7 +470,8 @@ def attention(q, k, v, kv_valid, *, q_offset: Any = 0, cache_layout: bool = Fals
     return blocked(q, k, v, kv_valid, **blocks)
   if which == "pallas":
     return pallas(q, k, v, kv_valid, **blocks)
-  return jax.lax.platform_dependent(
-      q, k, v, kv_valid,
-      tpu=lambda *a: pallas(*a, **blocks),
-      default=lambda *a: blocked(*a, **blocks))
+  blocks.pop("segment_ids")  # an array: a branch operand, not a closure
+  seg = () if segment_ids is None else (segment_ids,)
+  with_seg = lambda fn: lambda *a: fn(*a[:4], segment_ids=a[4] if seg else None, **blocks)
+  return jax.lax.platform_dependent(q, k, v, kv_valid, *seg, tpu=with_seg(pallas),
+                                    default=with_seg(blocked))

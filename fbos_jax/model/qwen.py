@@ -280,6 +280,15 @@ def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0)
 
 
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] segment ids of packed rows (each sequence one contiguous run) ->
+  [B, T] int32 positions that restart at 0 where a segment starts."""
+  seg = segment_ids.astype(jnp.int32)
+  idx = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
+  starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+  return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
 def rope_tables(positions: jax.Array, head_dim: int, theta: float):
   """cos, sin [B, T, 1, Dh] (float32) for :func:`rope`."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
@@ -298,15 +307,16 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, tables=None) -> jax.A
   return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def _attention(cfg: ModelConfig, q, k, v, attention_mask):
+def _attention(cfg: ModelConfig, q, k, v, attention_mask, segment_ids=None):
   """Causal grouped-query self-attention of a training / scoring batch.
 
-  q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; attention_mask: [B, T] (1 = real token)
-  -> [B, T, H, Dh]. Implementation: ``cfg.attention`` (:mod:`.attention`).
+  q: [B, T, H, Dh]; k, v: [B, T, K, Dh]; attention_mask: [B, T] (1 = real token);
+  segment_ids: [B, T] of packed rows (a token attends only within its segment)
+  or None -> [B, T, H, Dh]. Implementation: ``cfg.attention`` (:mod:`.attention`).
   """
   return attn_lib.attention(q, k, v, attention_mask, impl=cfg.attention,
                             block_q=cfg.attention_block_q, block_kv=cfg.attention_block_kv,
-                            dtype=cfg.dtype)
+                            dtype=cfg.dtype, segment_ids=segment_ids)
 
 
 def _cached_attention(cfg: ModelConfig, q, k_t, v, kv_mask, cache_index):
@@ -352,10 +362,10 @@ def _finish_layer(cfg: ModelConfig, h, attn, lp):
   return h + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"].astype(dt))
 
 
-def _layer(cfg: ModelConfig, h, lp, positions, attention_mask):
+def _layer(cfg: ModelConfig, h, lp, positions, attention_mask, segment_ids=None):
   """One decoder block without a cache. h: [B, T, D] -> [B, T, D]."""
   q, k, v = _project_qkv(cfg, h, lp, positions)
-  return _finish_layer(cfg, h, _attention(cfg, q, k, v, attention_mask), lp)
+  return _finish_layer(cfg, h, _attention(cfg, q, k, v, attention_mask, segment_ids), lp)
 
 
 def _new_kv(k, v, dtype):
@@ -432,11 +442,15 @@ def _remat(fn, policy: str):
 def forward(params: Params, tokens: jax.Array, attention_mask: jax.Array,
             cfg: ModelConfig, *, positions: Optional[jax.Array] = None,
             cache: Optional[KVCache] = None, cache_index: Any = 0,
-            kv_mask: Optional[jax.Array] = None):
+            kv_mask: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None):
   """Run the decoder and return final hidden states (after the final norm).
 
   Without a cache (training / scoring): tokens, attention_mask [B, T]; causal
   attention restricted to non-pad keys. Returns (hidden [B, T, D], None).
+  ``segment_ids`` [B, T] (rows that pack several sequences end to end, 0 on
+  padding; :class:`fbos_jax.rl.batch.PackedBatch`): a token attends only to
+  its own sequence, and positions (when not given) restart at 0 in each
+  (:func:`positions_from_segments`), so every sequence sees what it would alone.
 
   With a cache (sampling): the T new tokens are written to slots
   ``[cache_index, cache_index + T)`` of every layer's cache. ``kv_mask [B, S]``
@@ -450,8 +464,12 @@ def forward(params: Params, tokens: jax.Array, attention_mask: jax.Array,
   (:func:`split_layers`): the layers then run in a Python loop (see the module
   docstring); results are the same.
   """
+  if segment_ids is not None and cache is not None:
+    raise ValueError("qwen.forward: segment_ids (packed rows) are for the training forward, "
+                     "not a cached one")
   if positions is None:
-    positions = positions_from_mask(attention_mask)
+    positions = (positions_from_mask(attention_mask) if segment_ids is None
+                 else positions_from_segments(segment_ids))
   h = jnp.take(params["embed"], tokens, axis=0).astype(cfg.dtype)
   if cache is not None:
     h, new_cache = _cached_layers(cfg, h, params["layers"], positions, kv_mask, cache,
@@ -459,7 +477,7 @@ def forward(params: Params, tokens: jax.Array, attention_mask: jax.Array,
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), new_cache
 
   def body(h, lp):
-    return _layer(cfg, h, lp, positions, attention_mask), None
+    return _layer(cfg, h, lp, positions, attention_mask, segment_ids), None
 
   body = _remat(body, cfg.remat)
   if isinstance(params["layers"], (list, tuple)):

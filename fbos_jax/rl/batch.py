@@ -3,6 +3,12 @@
 A :class:`PolicyBatch` holds N sequences laid out as
 ``[prompt (left-padded to P) | response (right-padded to R)]``; the hidden state
 at index ``P - 1 + j`` predicts response token ``j``.
+
+A :class:`PackedBatch` holds the same sequences laid end to end in rows of a
+token budget, with segment ids (``fbos_jax/rl/packing.py`` builds it from a
+PolicyBatch): the update then trains on real tokens. Both answer the two
+questions the objective asks of a batch (:meth:`PolicyBatch.forward_args`,
+:meth:`PolicyBatch.scored`), so one objective serves both layouts.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from typing import Optional
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fbos_jax import buckets
@@ -48,6 +55,82 @@ class PolicyBatch:
   @property
   def prompt_len(self) -> int:
     return self.tokens.shape[1] - self.loss_mask.shape[1]
+
+  @property
+  def seq_weight(self):
+    """None: each row is one sequence (see :attr:`PackedBatch.seq_weight`)."""
+    return None
+
+  def forward_args(self) -> dict:
+    """The model's inputs (``qwen.forward`` keywords)."""
+    return dict(tokens=self.tokens, attention_mask=self.attn_mask)
+
+  def scored(self, hidden):
+    """(hidden [N, R, D] of the positions that predict the response tokens,
+    their targets [N, R]) from the model's hidden [N, P + R, D]."""
+    p, r = self.prompt_len, self.response_len
+    return hidden[:, p - 1:p - 1 + r], self.tokens[:, p:p + r]
+
+
+@flax.struct.dataclass
+class PackedBatch:
+  """A term's sequences laid end to end in N rows of L tokens, with segment ids.
+
+  Every field is per token, at the position that predicts the token it speaks
+  of (position t predicts token t + 1), so masks, advantages, log-probs and
+  flags follow their tokens::
+
+    tokens:       [N, L] int32    each row's sequences (prompt, then response), then padding
+    segment_ids:  [N, L] int32    1, 2, ... for a row's sequences in order, 0 on padding
+    loss_mask:    [N, L] float32  at t: the loss mask of token t + 1 (a response token of
+                                  the same sequence; 0 elsewhere)
+    advantages:   [N, L] float32  the sequence's advantage, at its response positions
+    old_logp:     [N, L] float32  log pi_old of token t + 1
+    is_offpolicy: [N, L] bool     the sequence's flag
+    seq_weight:   [N, L] float32  1 / (the sequence's loss-mask sum) at its response
+                                  positions: the seq-* aggregation modes reduce per
+                                  sequence (``fbos_kernels.aggregate``)
+    response_len: R (static)      the response length of the rows it packs (the
+                                  constant of seq-mean-token-sum-norm by default)
+    micro_batches: (static)       micro-batches per mini-batch: rows // (mini-batches x
+                                  this) rows of the token budget each
+
+  A token attends only to its own sequence, and positions restart at 0 in each
+  (``qwen.forward(segment_ids=...)``): every sequence gets the log-probs it
+  gets in a PolicyBatch.
+  """
+  tokens: jax.Array
+  segment_ids: jax.Array
+  loss_mask: jax.Array
+  advantages: jax.Array
+  old_logp: jax.Array
+  is_offpolicy: jax.Array
+  seq_weight: jax.Array
+  response_len: int = flax.struct.field(pytree_node=False, default=0)
+  micro_batches: int = flax.struct.field(pytree_node=False, default=1)
+
+  @property
+  def num_rows(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def row_len(self) -> int:
+    return self.tokens.shape[1]
+
+  def forward_args(self) -> dict:
+    return dict(tokens=self.tokens, attention_mask=(self.segment_ids > 0).astype(jnp.int32),
+                segment_ids=self.segment_ids)
+
+  def scored(self, hidden):
+    """(hidden [N, L, D], targets [N, L]: token t + 1 at position t; the last
+    position's target is never in the loss)."""
+    return hidden, jnp.roll(self.tokens, -1, axis=1)
+
+
+def micro_batches(batch, default: int) -> int:
+  """Micro-batches per mini-batch of ``batch``: a packed batch's own count (its
+  token-budget bucket), else ``default`` (``rl.micro_batches``)."""
+  return batch.micro_batches if isinstance(batch, PackedBatch) else int(default)
 
 
 def make_policy_batch(prompts: list, response_tokens: np.ndarray, response_mask: np.ndarray,

@@ -63,7 +63,12 @@ class LossConfig:
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
   """What one update step does: the terms, their loss knobs, and the loop shape
-  (epochs x mini-batches x micro-batches)."""
+  (epochs x mini-batches x micro-batches).
+
+  ``micro_batch_tokens`` > 0 packs every batch (``fbos_jax/rl/packing.py``): its
+  sequences end to end in rows of its padded row length, micro-batches of this
+  many tokens on each batch shard, as many as the real tokens need (a bucket);
+  ``micro_batches`` is then 1."""
   terms: tuple  # of Term, weight > 0
   loss: LossConfig = LossConfig()
   epochs: int = 1
@@ -71,6 +76,12 @@ class UpdateConfig:
   micro_batches: int = 1
   schedule: str = "joint"  # joint | alternate
   skip_nonfinite: bool = True
+  micro_batch_tokens: int = 0  # > 0: packed batches, micro-batches by this token budget
+
+  @property
+  def packed(self) -> bool:
+    """Whether the update trains on packed batches (real tokens)."""
+    return self.micro_batch_tokens > 0
 
   @property
   def needs_prox(self) -> bool:
@@ -269,7 +280,8 @@ def _update_config(config, rl, sampling, vocab_limit: int) -> UpdateConfig:
   return UpdateConfig(terms=terms_of(config), loss=_loss_config(rl, sampling, vocab_limit),
                       epochs=max(int(rl.ppo_epochs), 1), mini_batches=max(int(rl.mini_batches), 1),
                       micro_batches=max(int(rl.micro_batches), 1),
-                      schedule=rl.objective_schedule, skip_nonfinite=bool(rl.skip_nonfinite))
+                      schedule=rl.objective_schedule, skip_nonfinite=bool(rl.skip_nonfinite),
+                      micro_batch_tokens=int(rl.micro_batch_tokens))
 
 
 def optim_config(section, total_steps: int, **overrides) -> OptimConfig:
@@ -535,6 +547,49 @@ def _validate_rl_values(config, errs):
     errs.append("rl.stream_rounds=True streams round 2 beside round 1, but rl.round2=False "
                 "(this algorithm has no round 2), so it would change nothing; drop it")
   _validate_async(rl, errs)
+  _validate_packing(config, errs)
+
+
+def longest_row(config) -> tuple:
+  """(tokens, what) of the longest row any batch of the update can have: the
+  largest prompt bucket a term (or the SFT warm start) trains on plus
+  ``sampling.max_new_tokens``."""
+  s, names = config.sampling, {t.batch for t in terms_of(config)}
+  fields = (["sampling.prompt_buckets"] if "epa" in names else []) + (
+      ["sampling.fap_prompt_buckets"] if names & {"ecc", "fcp"} else [])
+  if config.train.warm_start == "sft":  # demonstrations and corrections: both kinds of bucket
+    fields = ["sampling.prompt_buckets", "sampling.fap_prompt_buckets"]
+  fields = fields or ["sampling.prompt_buckets"]
+  best = max((max(int(b) for b in s[f.split(".")[1]]), f) for f in dict.fromkeys(fields))
+  r = int(s.max_new_tokens)
+  return best[0] + r, f"{best[1]} up to {best[0]} + sampling.max_new_tokens={r}"
+
+
+def _validate_packing(config, errs):
+  """``rl.micro_batch_tokens``: 0 (padded rows), or a budget that holds the longest
+  row whole (a sequence is never cut), with the micro-batch count its own."""
+  rl = config.rl
+  budget = rl.micro_batch_tokens
+  if not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0):
+    errs.append(f"rl.micro_batch_tokens={budget!r}: an integer >= 0 (0 = padded rows)")
+    return
+  if not budget:
+    return
+  if not isinstance(config.sampling.max_new_tokens, int):
+    return  # refused on its own
+  longest, what = longest_row(config)
+  if budget < longest:
+    errs.append(f"rl.micro_batch_tokens={budget} is shorter than the longest row the config "
+                f"can produce, {longest} tokens ({what}); a row is never cut: raise it to "
+                f">= {longest}")
+  if rl.micro_batches != 1:
+    errs.append(f"rl.micro_batches={rl.micro_batches} with rl.micro_batch_tokens={budget}: "
+                "packed batches take as many micro-batches of the token budget as their real "
+                "tokens need; set rl.micro_batches=1")
+  if rl.fixed_row_buckets:
+    errs.append(f"rl.fixed_row_buckets=True pads rows to the most a batch can have; with "
+                f"rl.micro_batch_tokens={budget} the micro-batch count follows the real tokens "
+                "(a bucket of 1, 2, 3, 4, 6, 8, ...); set rl.fixed_row_buckets=False")
 
 
 def _validate_async(rl, errs):

@@ -104,38 +104,48 @@ def log_metrics(m: UpdateMetrics, term_order: tuple) -> dict:
   return out
 
 
-def sequence_logprobs(params, cfg: qwen.ModelConfig, batch: PolicyBatch, *,
+def sequence_logprobs(params, cfg: qwen.ModelConfig, batch, *,
                       temperature: float = 1.0, time_chunk: int = 256,
                       vocab_chunk: int = 8192, compute_entropy: bool = True,
                       vocab_limit: int = 0):
-  """Teacher-forced log-probs of the response tokens.
+  """Teacher-forced log-probs of the response tokens of a :class:`PolicyBatch`
+  (or of every position of a :class:`~fbos_jax.rl.batch.PackedBatch`).
 
-  Returns (logp [N, R], entropy [N, R]) of the temperature-scaled policy over
-  the ids below ``vocab_limit`` (0: all; the sampler's ``vocab_limit``, so the
-  log-probs are of the distribution it drew from), computed from hidden states
-  without materialising [N, R, V] logits.
+  Returns (logp [N, R], entropy [N, R]) ([N, L] packed) of the temperature-scaled
+  policy over the ids below ``vocab_limit`` (0: all; the sampler's
+  ``vocab_limit``, so the log-probs are of the distribution it drew from),
+  computed from hidden states without materialising [N, R, V] logits.
   """
-  hidden, _ = qwen.forward(params, batch.tokens, batch.attn_mask, cfg)
-  p, r = batch.prompt_len, batch.response_len
-  h = hidden[:, p - 1:p - 1 + r]
-  targets = batch.tokens[:, p:p + r]
+  hidden, _ = qwen.forward(params, cfg=cfg, **batch.forward_args())
+  h, targets = batch.scored(hidden)
   return K.token_logprobs_and_entropy(
       h, qwen.unembed_matrix(params, cfg).astype(cfg.dtype), targets,
-      temperature=temperature, time_chunk=min(time_chunk, r), vocab_chunk=vocab_chunk,
+      temperature=temperature, time_chunk=min(time_chunk, h.shape[1]), vocab_chunk=vocab_chunk,
       compute_entropy=compute_entropy, vocab_limit=vocab_limit)
 
 
-def _onpolicy_mask(batch: PolicyBatch):
-  """[N, R] the loss mask of the rows that are not off-policy."""
-  return batch.loss_mask * (~batch.is_offpolicy)[:, None].astype(batch.loss_mask.dtype)
+def _onpolicy_mask(batch):
+  """The loss mask of the tokens that are not off-policy (flags per row [N] or
+  per token [N, L], a packed batch's)."""
+  off = batch.is_offpolicy
+  off = off if off.ndim == batch.loss_mask.ndim else off[:, None]
+  return batch.loss_mask * (~off).astype(batch.loss_mask.dtype)
 
 
-def denominators(batch: PolicyBatch, lc: LossConfig):
+def _aggregate(x, mask, batch, lc: LossConfig, mode: str):
+  """``fbos_kernels.aggregate`` of one of ``batch``'s masks: the seq-* modes per
+  sequence (a packed batch's ``seq_weight``), seq-mean-token-sum-norm's constant
+  ``rl``'s norm_len or the response length."""
+  return K.aggregate(x, mask, mode, norm_len=lc.norm_len or batch.response_len,
+                     seq_weight=batch.seq_weight)
+
+
+def denominators(batch, lc: LossConfig):
   """(loss denominator, token count, on-policy token count) of a whole
   (mini-)batch: parameter-free."""
   mask = batch.loss_mask
   ones = jnp.ones_like(mask)
-  _, d = K.aggregate(ones, mask, lc.loss_agg, norm_len=lc.norm_len or mask.shape[1])
+  _, d = _aggregate(ones, mask, batch, lc, lc.loss_agg)
   _, d_tok = K.aggregate(ones, mask, "token-mean")
   _, d_on = K.aggregate(ones, _onpolicy_mask(batch), "token-mean")
   return d, d_tok, d_on
@@ -147,11 +157,11 @@ def _hparams(lc: LossConfig) -> dict:
               behav_weight_cap=lc.behav_weight_cap)
 
 
-def term_sums(params, cfg: qwen.ModelConfig, batch: PolicyBatch, loss: str, lc: LossConfig,
+def term_sums(params, cfg: qwen.ModelConfig, batch, loss: str, lc: LossConfig,
               ref_params=None, prox_logp=None) -> dict:
-  """Sums (to be divided by the denominators) of one term on one micro-batch:
-  loss, entropy (all rows, and on-policy rows only), KL to the reference,
-  clipped-token fraction. Scalars."""
+  """Sums (to be divided by the denominators) of one term on one micro-batch
+  (a :class:`PolicyBatch` or a packed one): loss, entropy (all rows, and
+  on-policy rows only), KL to the reference, clipped-token fraction. Scalars."""
   mask = batch.loss_mask
   logp, ent = sequence_logprobs(params, cfg, batch, temperature=lc.temperature,
                                 time_chunk=lc.time_chunk, vocab_chunk=lc.vocab_chunk,
@@ -159,7 +169,7 @@ def term_sums(params, cfg: qwen.ModelConfig, batch: PolicyBatch, loss: str, lc: 
   loss_t, clipped = K.get_policy_loss(loss)(
       logp, old_logp=batch.old_logp, adv=batch.advantages, is_offpolicy=batch.is_offpolicy,
       prox_logp=prox_logp, mask=mask, **_hparams(lc))
-  s_loss, _ = K.aggregate(loss_t, mask, lc.loss_agg, norm_len=lc.norm_len or mask.shape[1])
+  s_loss, _ = _aggregate(loss_t, mask, batch, lc, lc.loss_agg)
   s_ent, _ = K.aggregate(ent, mask, "token-mean")
   s_ent_on, _ = K.aggregate(ent, _onpolicy_mask(batch), "token-mean")
   s_clip, _ = K.aggregate(clipped.astype(jnp.float32), mask, "token-mean")
@@ -183,7 +193,7 @@ def term_weights(ucfg: UpdateConfig, step) -> jax.Array:
   return w
 
 
-def term_objective(params, cfg: qwen.ModelConfig, batch: PolicyBatch, term, lc: LossConfig,
+def term_objective(params, cfg: qwen.ModelConfig, batch, term, lc: LossConfig,
                    weight, denom: tuple, ref_params=None, prox_logp=None):
   """One term's weighted loss on one micro-batch, its sums over the whole-(mini-)batch
   denominators ``denom`` (:func:`denominators`):

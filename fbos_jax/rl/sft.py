@@ -80,6 +80,7 @@ from fbos_jax import templates
 from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import context as context_lib
+from fbos_jax.rl import packing
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl import update as update_lib
 
@@ -216,7 +217,8 @@ def _sft_setup(config, ctx, steps: int):
   if n_corr:  # corrections (long FAP contexts) get their own batch and prompt bucket
     terms += (config_lib.Term("corrections", "mle", share),)
   ucfg = config_lib.UpdateConfig(terms=terms, loss=config_lib.LossConfig(
-      temperature=1.0, vocab_limit=ctx.parts.update.loss.vocab_limit))
+      temperature=1.0, vocab_limit=ctx.parts.update.loss.vocab_limit),
+      micro_batch_tokens=ctx.parts.update.micro_batch_tokens)  # packed as RL's, if it is
   optim_cfg = config_lib.optim_config(config.optim, steps, learning_rate=sft.learning_rate,
                                       warmup_steps=sft.warmup_steps, schedule=sft.schedule,
                                       warmup_from_zero=True)
@@ -252,7 +254,6 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
   builder = _BatchBuilder(config, ctx, n_corr, rows,
                           random.Random(state_lib.host_seed(rng, "sft", stage, 1)))
   sample_key = state_lib.stream_key(rng, "sft", stage, 2)
-  put = lambda b: jax.tree.map(lambda a: sh.put_process_local(a, mesh, ctx.rules), b)
   history = []
   bar = metrics_lib.progress(range(steps), progress and jax.process_index() == 0, desc)
   prev = None
@@ -269,8 +270,9 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
                               examples[:n_corr],
                               key=jax.random.fold_in(sample_key, s))
     batches, stats = builder(s, examples, failures)
+    batches, _ = packing.device_batches(batches, ucfg, mesh, ctx.rules)
     with jax.set_mesh(mesh):  # attention picks its kernel from the mesh's devices
-      state, m = step_fn(state, put(batches))
+      state, m = step_fn(state, batches)
     # wait for the previous step only, so the bar shows real progress while the
     # host still builds the next batch during this one (async dispatch)
     if prev is not None:

@@ -13,6 +13,12 @@ prompt, a appended EPA rows per prompt)::
     ecc  P * m rows         FAPs              sampling.fap_prompt_buckets
     fcp  P * n rows         <EF>c</EF>q       sampling.fap_prompt_buckets
 
+Packed update batches (``rl.micro_batch_tokens``, :func:`packed_update_shapes`):
+each batch's sequences in rows of its padded row length, micro-batches of the
+token budget; at the largest (every sequence at its full length, one per row:
+what the plan compiles) or modelled under a response-length distribution (what
+the roofline times: :func:`sequence_lengths`).
+
 Sampler calls (:func:`sampler_calls`): round 1 (P prompts x n), round 2 (P*m
 FAPs x 1, or GOLF's P aggregated prompts x m), eval (greedy, and pass@k at
 temperature 1). The static sampler takes each call in chunks of its batch
@@ -97,6 +103,27 @@ class UpdateShape:
   def seq_len(self) -> int:
     return self.prompt_len + self.response_len
 
+  @property
+  def scored_len(self) -> int:
+    """Positions per row whose log-probs the update takes (the response's)."""
+    return self.response_len
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedShape:
+  """One packed update batch: ``rows`` rows of ``seq_len`` tokens (the padded
+  row length) holding ``real_tokens`` tokens of sequences, in ``micro_batches``
+  micro-batches of the token budget per mini-batch; every position is scored."""
+  rows: int
+  seq_len: int
+  response_len: int
+  micro_batches: int
+  real_tokens: int
+
+  @property
+  def scored_len(self) -> int:
+    return self.seq_len
+
 
 def batch_rows(parts: RunParts, name: str, prompts: int = 0) -> int:
   """The most rows batch ``name`` can have in a step of ``prompts`` prompts
@@ -139,6 +166,55 @@ def update_shapes(parts: RunParts, batch_shards: int) -> dict:
     pb, _ = batch_prompt_buckets(parts, name)
     rows = padded_rows(parts, name, batch_rows(parts, name), batch_shards)
     out[name] = UpdateShape(rows, max(pb), parts.sampling.round1.max_new_tokens)
+  return out
+
+
+def micro_batch_budget(parts: RunParts, batch_shards: int) -> int:
+  """The packed update's token budget per batch shard: ``rl.micro_batch_tokens``,
+  or for a padded run the tokens of its largest micro-batch on one batch shard
+  (the packed layout at the padded one's activation memory)."""
+  if parts.update.packed:
+    return parts.update.micro_batch_tokens
+  shards, u = max(int(batch_shards), 1), parts.update
+  return max(s.rows // (shards * u.mini_batches * u.micro_batches) * s.seq_len
+             for s in update_shapes(parts, batch_shards).values())
+
+
+def sequence_lengths(parts: RunParts, name: str, rows: int, lengths, seed: int = 0):
+  """[rows] modelled lengths (prompt + response, int) of batch ``name``'s
+  sequences, the responses drawn from ``lengths`` (a
+  :class:`fbos_jax.hardware.ResponseLengths`): the prompts q of ``epa`` at their
+  largest bucket; a FAP of ``ecc`` holds q, a failed attempt and its feedback,
+  so its largest bucket less the room of a whole response plus an attempt drawn
+  from ``lengths``; ``fcp``'s <EF>c</EF>q its largest bucket less a response's room."""
+  import numpy as np
+  r = parts.sampling.round1.max_new_tokens
+  top = max(batch_prompt_buckets(parts, name)[0])
+  if name == "ecc":
+    prompt = np.clip(top - r + lengths.sample(rows, r, seed + 1), 1, top)
+  elif name == "fcp":
+    prompt = max(top - r, 1)
+  else:
+    prompt = top
+  return prompt + lengths.sample(rows, r, seed)
+
+
+def packed_update_shapes(parts: RunParts, batch_shards: int, *, lengths=None,
+                         budget: int = 0) -> dict:
+  """{batch name: PackedShape} of the update's terms packed at ``budget`` tokens
+  per micro-batch and batch shard (default :func:`micro_batch_budget`): with
+  ``lengths`` None the largest (every sequence at its row length, one per row),
+  else the sequences :func:`sequence_lengths` models under ``lengths``."""
+  from fbos_jax.rl import packing
+  budget = budget or micro_batch_budget(parts, batch_shards)
+  out = {}
+  for name, s in update_shapes(parts, batch_shards).items():
+    n = batch_rows(parts, name)
+    seqs = ([s.seq_len] * n if lengths is None else sequence_lengths(parts, name, n, lengths))
+    bins = len(packing.first_fit_decreasing(seqs, s.seq_len))
+    m, rows = packing.packed_shape(bins, s.seq_len, budget, batch_shards,
+                                   parts.update.mini_batches)
+    out[name] = PackedShape(rows, s.seq_len, s.response_len, m, int(sum(seqs)))
   return out
 
 
@@ -239,9 +315,13 @@ def engine_runs(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1) -> l
 
 
 def update_programs(parts: RunParts, batch_shards: int, processes: int = 1) -> list:
-  """Every {batch name: UpdateShape} the trainer's update can be called with:
-  each batch at any of its prompt buckets and row buckets (one row bucket with
-  ``rl.fixed_row_buckets``), all combinations (one program per combination)."""
+  """Every {batch name: UpdateShape} (packed, ``rl.micro_batch_tokens``: every
+  {batch name: PackedShape}) the trainer's update can be called with, this
+  process's rows: each batch at any of its prompt buckets and row buckets (one
+  row bucket with ``rl.fixed_row_buckets``; packed, every (micro-batches, rows)
+  bucket of :func:`fbos_jax.rl.packing.packed_shape` that 0 to all of its
+  sequences, one per row at the worst, can take), all combinations (one program
+  per combination)."""
   import itertools
   local = max(int(batch_shards) // processes, 1)
   prompts = _per_process(parts.rollout.prompts_per_step, processes)
@@ -250,7 +330,21 @@ def update_programs(parts: RunParts, batch_shards: int, processes: int = 1) -> l
   for name in parts.update.batch_names:
     pb, _ = batch_prompt_buckets(parts, name)
     most = batch_rows(parts, name, prompts)
+    if parts.update.packed:
+      per_batch.append([PackedShape(n, int(p) + r, r, m, 0) for p in sorted(set(pb))
+                        for m, n in packed_buckets(parts, int(p) + r, most, local)])
+      continue
     rows = sorted({padded_rows(parts, name, k, local, prompts=prompts)
                    for k in range(0, most + 1)})
     per_batch.append([UpdateShape(n, int(p), r) for n in rows for p in sorted(set(pb))])
   return [dict(zip(parts.update.batch_names, combo)) for combo in itertools.product(*per_batch)]
+
+
+def packed_buckets(parts: RunParts, row_len: int, most: int, shards: int) -> list:
+  """Sorted (micro-batches, rows) of a packed batch of rows of ``row_len`` tokens
+  holding 0 to ``most`` packed rows over ``shards`` batch shards
+  (:func:`fbos_jax.rl.packing.packed_shape` at ``rl.micro_batch_tokens``)."""
+  from fbos_jax.rl import packing
+  u = parts.update
+  return sorted({packing.packed_shape(k, row_len, u.micro_batch_tokens, shards, u.mini_batches)
+                 for k in range(0, int(most) + 1)})

@@ -31,6 +31,7 @@ from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import evaluation
 from fbos_jax.rl import guards
 from fbos_jax.rl import objectives
+from fbos_jax.rl import packing
 from fbos_jax.rl import probe as probe_lib
 from fbos_jax.rl import sources
 from fbos_jax.rl import split as split_lib
@@ -231,7 +232,8 @@ class RLTrainer:
     its metrics added to the rollout's ``m``; ``t0``: when the step started."""
     t1 = time.perf_counter()
     self.policy.release()  # the sampled version's copy is not needed beside the update
-    batches = update_lib.place_batches(batches, self.mesh, self.rules)
+    batches, bm = packing.device_batches(batches, self.parts.update, self.mesh, self.rules)
+    m.update(bm)
     with jax.set_mesh(self.mesh):  # attention picks its kernel from the mesh's devices
       state, um = update_lib.compiled_update(self.parts, self.mesh, self.rules)(state, batches)
     m.update(objectives.log_metrics(um, self.parts.update.batch_names))

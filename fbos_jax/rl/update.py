@@ -6,7 +6,10 @@
 * ``batches``: ``{term.batch: PolicyBatch}`` for the config's terms, e.g.
   ``epa`` (rows on q: round-1 rollouts with PPO clip, plus feedback-guided ones
   flagged ``is_offpolicy`` with f(u)=u/(u+lambda)) and ``ecc`` (round-2 rollouts
-  on their FAPs). Rows [N] must divide by ``mini_batches * micro_batches``.
+  on their FAPs). Rows [N] must divide by ``mini_batches * micro_batches``. A
+  batch may be packed (:class:`~fbos_jax.rl.batch.PackedBatch`, ``rl.micro_batch_tokens``:
+  sequences end to end in rows of the token budget); it then carries its own
+  micro-batch count.
 
 Inside one program, purejaxrl-style (no host round trip):
 
@@ -16,13 +19,14 @@ Inside one program, purejaxrl-style (no host round trip):
 2. ``epochs x mini_batches`` optimizer steps as one ``lax.scan``; every epoch
    visits the rows in a fresh order drawn from the state's PRNG (no reorder
    when there is one mini-batch);
-3. inside each, ``micro_batches`` gradient-accumulation steps (``lax.scan``),
-   each term normalised by its whole-mini-batch denominator
-   (:mod:`fbos_jax.rl.objectives`), so accumulation is exact. Each term's
-   gradient is taken on its own (the terms train on different batches, so this
-   costs no extra compute) and added into the step's gradient;
-   ``grad_norm_<term>`` is the norm of a term's weighted contribution,
-   ``grad_norm`` that of the sum (see :func:`_grads` for the memory);
+3. inside each, each term's gradient-accumulation steps (``lax.scan`` over its
+   micro-batches: ``micro_batches``, or a packed batch's own count), the term
+   normalised by its whole-mini-batch denominator (:mod:`fbos_jax.rl.objectives`),
+   so accumulation is exact. Each term's gradient is taken on its own (the
+   terms train on different batches, so this costs no extra compute) and added
+   into the step's gradient; ``grad_norm_<term>`` is the norm of a term's
+   weighted contribution, ``grad_norm`` that of the sum (see :func:`_grads` for
+   the memory);
 4. an optimizer step that is skipped (params and optimizer state kept) when
    the loss or gradient is not finite and ``skip_nonfinite``; each step counts
    the elements of the params whose stored value it changed
@@ -41,6 +45,7 @@ test) with the same configs, so a program is compiled once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -51,6 +56,7 @@ import optax
 from fbos_jax import optim as optim_lib
 from fbos_jax import program_cache
 from fbos_jax.model import qwen
+from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import objectives
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl.config import UpdateConfig
@@ -62,22 +68,28 @@ def _split(tree, parts: int, i):
   return jax.tree.map(lambda a: a.reshape((parts, a.shape[0] // parts) + a.shape[1:])[i], tree)
 
 
-def _check_rows(batches: dict, parts: int):
+def _parts(b, ucfg: UpdateConfig) -> int:
+  """Row blocks of batch ``b`` in one update: mini-batches x its micro-batches."""
+  return ucfg.mini_batches * batch_lib.micro_batches(b, ucfg.micro_batches)
+
+
+def _check_rows(batches: dict, ucfg: UpdateConfig):
   for name, b in batches.items():
-    if b.num_rows % parts:
+    if b.num_rows % _parts(b, ucfg):
       raise ValueError(f"batch {name!r} has {b.num_rows} rows, which do not split into "
-                       f"mini_batches x micro_batches = {parts} equal parts")
+                       f"mini_batches x micro_batches = {_parts(b, ucfg)} equal parts")
 
 
 def prox_logprobs(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConfig) -> dict:
-  """pi_prox log-probs [N, R] of the batches the decoupled terms train on,
-  computed ``micro_batches * mini_batches`` rows-blocks at a time (``lax.map``)."""
-  lc, parts = ucfg.loss, ucfg.micro_batches * ucfg.mini_batches
+  """pi_prox log-probs [N, R] ([N, L] packed) of the batches the decoupled terms
+  train on, a micro-batch of rows at a time (``lax.map``)."""
+  lc = ucfg.loss
   out = {}
   for term in ucfg.terms:
     if term.loss != "decoupled":
       continue
     b = batches[term.batch]
+    parts = _parts(b, ucfg)
 
     def one(i, b=b):
       logp, _ = objectives.sequence_logprobs(params, cfg, _split(b, parts, i),
@@ -91,48 +103,36 @@ def prox_logprobs(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConf
 
 
 def _grads(params, cfg, batches, ucfg, weights, ref_params, prox):
-  """The step's gradient, the loss and each term's metrics of one mini-batch,
-  accumulated over micro-batches: (grads, loss, {term.batch: TermMetrics}).
+  """The step's gradient, the loss and each term's metrics of one mini-batch:
+  (grads, loss, {term.batch: TermMetrics}).
 
   Each term is differentiated on its own (the terms train on different batches,
-  so this is the compute of one joint gradient) and added to the step's
-  gradient in the config's term order. Every term but the last also keeps its
-  own accumulator; the last one's norm is that of the step's gradient minus the
-  others (one float32 accumulator more than a joint gradient for two terms,
-  none for one)."""
-  m = ucfg.micro_batches
-  names = [t.batch for t in ucfg.terms]
-  denoms = {name: objectives.denominators(b, ucfg.loss) for name, b in batches.items()}
+  so this is the compute of one joint gradient), accumulated over its own
+  micro-batches (``micro_batches``, or a packed batch's count), its norm taken,
+  and added to the step's gradient in the config's term order: one float32
+  accumulator besides the step's gradient, whatever the number of terms (none
+  for one term)."""
   grad_fn = jax.value_and_grad(objectives.term_objective, has_aux=True)
-
-  def micro_step(carry, i):
-    g_acc, own, l_acc, stats = carry
-    mb = _split(batches, m, i)
-    mp = {} if not prox else _split(prox, m, i)
-    own, stats = dict(own), dict(stats)
-    for k, term in enumerate(ucfg.terms):
-      (loss, ts), g = grad_fn(params, cfg, mb[term.batch], term, ucfg.loss, weights[k],
-                              denoms[term.batch], ref_params, mp.get(term.batch))
-      g_acc = jax.tree.map(jnp.add, g_acc, g)
-      if term.batch in own:
-        own[term.batch] = jax.tree.map(jnp.add, own[term.batch], g)
-      l_acc = l_acc + loss
-      stats[term.batch] = jax.tree.map(jnp.add, stats[term.batch], ts)
-    return (g_acc, own, l_acc, stats), None
-
   zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  init = (zeros(), {n: zeros() for n in names[:-1]}, jnp.zeros(()),
-          {n: objectives.TermStats.zeros() for n in names})
-  (grads, own, loss, stats), _ = jax.lax.scan(micro_step, init, jnp.arange(m))
-  norms = {n: optax.tree.norm(g) for n, g in own.items()}
-  if names:
-    rest = grads
-    for g in own.values():
-      rest = jax.tree.map(jnp.subtract, rest, g)
-    norms[names[-1]] = optax.tree.norm(rest)
-  terms = {n: objectives.TermMetrics(stats=stats[n], grad_norm=norms[n], tokens=denoms[n][1])
-           for n in names}
-  return grads, loss, terms
+  grads, loss, terms = None, jnp.zeros(()), {}
+  for k, term in enumerate(ucfg.terms):
+    b, p = batches[term.batch], prox.get(term.batch)
+    denom = objectives.denominators(b, ucfg.loss)
+    m = batch_lib.micro_batches(b, ucfg.micro_batches)
+
+    def micro_step(carry, i, b=b, p=p, denom=denom, m=m, k=k, term=term):
+      g_acc, l_acc, stats = carry
+      (l, ts), g = grad_fn(params, cfg, _split(b, m, i), term, ucfg.loss, weights[k], denom,
+                           ref_params, None if p is None else _split(p, m, i))
+      return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, jax.tree.map(jnp.add, stats, ts)), None
+
+    init = (zeros(), jnp.zeros(()), objectives.TermStats.zeros())
+    (g, l, stats), _ = jax.lax.scan(micro_step, init, jnp.arange(m))
+    terms[term.batch] = objectives.TermMetrics(stats=stats, grad_norm=optax.tree.norm(g),
+                                               tokens=denom[1])
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    loss = loss + l
+  return (zeros() if grads is None else grads), loss, terms
 
 
 def param_change_frac(old, new) -> jax.Array:
@@ -163,7 +163,7 @@ def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformatio
   steps = ucfg.epochs * mini
 
   def update(state: TrainState, batches: dict) -> tuple[TrainState, Any]:
-    _check_rows(batches, mini * ucfg.micro_batches)
+    _check_rows(batches, ucfg)
     weights = objectives.term_weights(ucfg, state.step)
     prox = prox_logprobs(state.params, cfg, batches, ucfg) if ucfg.needs_prox else {}
     key = state_lib.stream_key(state.rng, "shuffle", state.step)
@@ -233,8 +233,21 @@ def compiled_update(parts, mesh, rules, ucfg: UpdateConfig = None, optim_cfg=Non
 
 
 def place_batches(batches: dict, mesh, rules) -> dict:
-  """{name: PolicyBatch} of host numpy onto ``mesh`` (each process its own rows),
-  as the update takes them."""
+  """{name: PolicyBatch or PackedBatch} of host numpy onto ``mesh`` (each process
+  its own rows), as the update takes them (``fbos_jax/rl/packing.py:device_batches``
+  packs them first when the run packs)."""
   from fbos_jax import sharding as sh
   return {k: jax.tree.map(lambda a: sh.put_process_local(a, mesh, rules), b)
           for k, b in batches.items()}
+
+
+def gradients(params, cfg: qwen.ModelConfig, batches: dict, ucfg: UpdateConfig, *, step=0,
+              ref_params=None):
+  """(grads, loss, {term.batch: TermMetrics}) of one optimizer step on all of
+  ``batches`` (one mini-batch, micro-batched as the update does, pi_prox from
+  ``params``): what the update applies, for benches and tests that compare
+  layouts (``launch/bench_update.py``)."""
+  ucfg = dataclasses.replace(ucfg, mini_batches=1)
+  _check_rows(batches, ucfg)
+  prox = prox_logprobs(params, cfg, batches, ucfg) if ucfg.needs_prox else {}
+  return _grads(params, cfg, batches, ucfg, objectives.term_weights(ucfg, step), ref_params, prox)

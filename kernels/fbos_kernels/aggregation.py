@@ -55,7 +55,8 @@ def _masked(loss, mask, loss_name="loss"):
   return jnp.where(present, loss, 0.0) * mf, mf
 
 
-def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None):
+def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None,
+              seq_weight=None):
   """Aggregate a per-token loss into an exact ``(sum, denom)`` pair.
 
   Args:
@@ -76,6 +77,13 @@ def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float]
     norm_len: the constant ``L`` for ``seq-mean-token-sum-norm``; defaults to
       ``T = loss.shape[-1]``; must be > 0. Pass the configured max response
       length so that pieces padded to different ``T`` agree.
+    seq_weight: ``[B, T]`` for rows that pack several sequences (None: each row
+      is one sequence): at every token, 1 / (the mask's sum over the token's
+      sequence), 0 where that sum is 0. The ``seq-*`` modes then reduce per
+      sequence instead of per row (``rowsum_b / rowcount_b`` becomes the sum of
+      ``l m seq_weight``, the number of nonempty sequences the sum of
+      ``m seq_weight``, rounded), so a packed batch gives the pair of the rows it
+      packs. ``token-mean`` ignores it.
 
   Returns:
     ``(sum, denom)`` float scalars. Final loss = ``safe_divide(sum, denom)``.
@@ -90,6 +98,9 @@ def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float]
   lm, mf = _masked(loss, mask)
   if mode == "token-mean":
     return jnp.sum(lm), jnp.sum(mf)
+  if seq_weight is not None:
+    return _aggregate_sequences(lm, mf, mode, seq_weight, loss.shape[-1] if norm_len is None
+                                else norm_len)
   rowsum = jnp.sum(lm, axis=-1)
   rowcount = jnp.sum(mf, axis=-1)
   nonempty = rowcount > 0
@@ -102,6 +113,22 @@ def aggregate(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float]
     L = loss.shape[-1] if norm_len is None else norm_len
     return jnp.sum(rowsum) / L, nrows
   raise AssertionError(mode)  # unreachable: checked above
+
+
+def _aggregate_sequences(lm, mf, mode: str, seq_weight, norm_len):
+  """The ``seq-*`` pairs of rows packing several sequences (:func:`aggregate`'s
+  ``seq_weight``); ``lm``, ``mf``: the masked loss and the float mask."""
+  w = jnp.asarray(seq_weight)
+  check_shape("loss", lm.shape, "seq_weight", w.shape)
+  w = jnp.where(mf != 0, w.astype(lm.dtype), 0.0)
+  nseq = jnp.round(jnp.sum(mf * w))  # each nonempty sequence adds 1 (up to rounding)
+  if mode == "seq-mean-token-mean":
+    return jnp.sum(lm * w), nseq
+  if mode == "seq-mean-token-sum":
+    return jnp.sum(lm), nseq
+  if mode == "seq-mean-token-sum-norm":
+    return jnp.sum(lm) / norm_len, nseq
+  raise AssertionError(mode)  # unreachable: checked by aggregate
 
 
 def aggregate_loss(loss, mask, mode: str = "token-mean", *, norm_len: Optional[float] = None):

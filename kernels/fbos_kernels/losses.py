@@ -22,7 +22,8 @@ Conventions:
 * **exact shapes**: companions of ``logp`` (old/prox/behaviour/reference
   log-probs, ``mask``) must have its shape exactly; ``adv`` must be
   ``logp.shape[:-1]`` or ``logp.shape``; ``is_offpolicy`` must be
-  ``logp.shape[:-1]``. Anything else (e.g. a broadcastable ``[B, 1]``) raises
+  ``logp.shape[:-1]`` (per row) or ``logp.shape`` (per token, for rows that
+  pack several sequences). Anything else (e.g. a broadcastable ``[B, 1]``) raises
   ``ValueError`` naming both shapes.
 * **parameters**: concrete Python numbers are range-checked (``ValueError``
   naming the parameter and the accepted range): ``0 <= eps_low < 1``,
@@ -42,7 +43,8 @@ call contract, so an update step can look a term's loss up by name::
 * ``logp`` ``[B, T]``: current-policy token log-probs (differentiated).
 * ``old_logp`` ``[B, T]``: the sampling (behaviour) policy's log-probs, data.
 * ``adv`` ``[B]`` or ``[B, T]``: advantages, data.
-* ``is_offpolicy`` ``[B]``: per-sample flag (None = every row on-policy).
+* ``is_offpolicy`` ``[B]`` or ``[B, T]``: per-sample (or per-token) flag (None =
+  every row on-policy).
 * ``prox_logp`` ``[B, T]``: AReaL proximal policy ("decoupled" only).
 * ``mask`` ``[B, T]``: the loss mask (mask before arithmetic, see above).
 * ``hparams``: any of ``eps_low=0.2, eps_high=0.28, dual_clip=None, lam=0.1,
@@ -128,6 +130,16 @@ def _token_mask(mask, logp):
   m = jnp.asarray(mask)
   check_shape("logp", logp.shape, "mask", m.shape)
   return as_bool_mask(m)
+
+
+def _offpolicy_flag(is_offpolicy, shape):
+  """``is_offpolicy`` ``[B]`` (one flag per row) or ``[B, T]`` (per token: rows that
+  pack several sequences) -> a bool array that broadcasts to ``shape`` = ``[B, T]``;
+  other shapes raise."""
+  flag = jnp.asarray(is_offpolicy)
+  check_shape("logp", shape, "is_offpolicy", flag.shape, allowed=[tuple(shape[:-1]), tuple(shape)])
+  flag = as_bool_mask(flag)
+  return flag if flag.shape == tuple(shape) else flag[..., None]
 
 
 def _safe(m, x):
@@ -270,8 +282,9 @@ def policy_loss(logp, old_logp, adv, is_offpolicy=None, *, eps_low: float = 0.2,
   Args:
     logp, old_logp: ``[B, T]``.
     adv: ``[B]`` or ``[B, T]``.
-    is_offpolicy: ``[B]`` bool/float flag (``logp.shape[:-1]`` exactly);
-      None = every row on-policy.
+    is_offpolicy: ``[B]`` bool/float flag (``logp.shape[:-1]`` exactly), or
+      ``[B, T]`` per token (rows packing several sequences); None = every row
+      on-policy.
     eps_low, eps_high, dual_clip: as :func:`ppo_clip_loss`.
     lam, denominator: as :func:`offpolicy_loss`.
     mask: optional ``[B, T]`` loss mask (mask before arithmetic, loss 0 there).
@@ -285,10 +298,8 @@ def policy_loss(logp, old_logp, adv, is_offpolicy=None, *, eps_low: float = 0.2,
                                       dual_clip=dual_clip, mask=mask)
   if is_offpolicy is None:
     return on_loss, on_clipped
-  flag = jnp.asarray(is_offpolicy)
-  check_shape("logp", on_loss.shape, "is_offpolicy", flag.shape, allowed=[on_loss.shape[:-1]])
+  flag = _offpolicy_flag(is_offpolicy, on_loss.shape)
   off = offpolicy_loss(logp, adv, lam=lam, behaviour_logp=old_logp, denominator=denominator, mask=mask)
-  flag = as_bool_mask(flag)[..., None]
   return jnp.where(flag, off, on_loss), on_clipped & ~flag
 
 
@@ -460,11 +471,9 @@ def _decoupled_entry(logp, old_logp=None, adv=None, is_offpolicy=None, *, prox_l
                                      mask=mask, **_ppo_kw(h))
   if is_offpolicy is None:
     return loss, clipped
-  flag = jnp.asarray(is_offpolicy)
-  check_shape("logp", loss.shape, "is_offpolicy", flag.shape, allowed=[loss.shape[:-1]])
+  flag = _offpolicy_flag(is_offpolicy, loss.shape)
   off = offpolicy_loss(logp, adv, lam=h["lam"], behaviour_logp=old_logp, denominator=h["denominator"],
                        mask=mask)
-  flag = as_bool_mask(flag)[..., None]
   return jnp.where(flag, off, loss), clipped & ~flag
 
 
