@@ -209,8 +209,9 @@ VARIANTS = {
             # the Pallas kernel reads only the pages in use, so padding is nearly free,
             # and the compile set is a few dozen programs, not hundreds (--dry_run)
             "engine.bucket_growth": 0,
-            # split for the asynchronous loop (rl.rollout_devices=16 of 32): the rollout
-            # mesh's 16 chips on 8 hosts need 8 batch shards, one per host, for the engine
+            # split for the asynchronous loop (rl.rollout_devices=16 of 32: 4 whole hosts
+            # per side): the rollout mesh's axes (the engine needs its batch shards to
+            # divide over the side's 4 hosts)
             "rl.rollout_mesh.tensor": 2,
             # round 2 samples P*m = 512 FAP rows; all at once they need more than a
             # v5p's HBM, so the sampler takes them in chunks of 256 prompts
@@ -245,7 +246,7 @@ VARIANTS = {
             # the Pallas kernel reads only the pages in use, so padding is nearly free,
             # and the compile set is a few dozen programs, not hundreds (--dry_run)
             "engine.bucket_growth": 0,
-            "rl.rollout_mesh.tensor": 2,  # as qwen_8b's: one batch shard per host when split
+            "rl.rollout_mesh.tensor": 2,  # as qwen_8b's (split: 4 whole hosts per side)
         })),
     # The real-user path at CPU size: a Qwen3 checkpoint directory (the real-shape
     # fixture of fbos_jax/testing/qwen_fixture.py, or any --init_from_hf=DIR: its
@@ -420,17 +421,17 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.rl.gfpo_adaptive = False  # adaptive-difficulty k (k_map over difficulty buckets)
   c.rl.gfpo_k_map = (8, 8, 6, 4)  # very hard, hard, medium, easy (for G=16)
   c.rl.gfpo_history = 256
-  # --- stale rollouts (pair with the decoupled loss: the `decoupled` flavor)
-  c.rl.staleness = 0  # eta: rollouts sampled by params eta updates old (0 = synchronous)
   c.rl.behav_weight_cap = 5.0  # AReaL: mask tokens whose pi_prox/pi_behav exceeds this
-  # --- asynchronous RL (AReaL's system; fbos_jax/rl/async_rl.py): a rollout worker and
-  # the trainer overlap, on their own devices or colocated
+  # --- asynchronous RL (AReaL's system; fbos_jax/rl/sources.py, docs/async.md): the rollout
+  # and the trainer overlap, on their own devices (or processes) or colocated; stale
+  # rollouts pair with the decoupled loss (the `decoupled` flavor)
   c.rl.rollout_devices = 0  # N devices of the rollout mesh, the rest train; 0 = colocated
   c.rl.max_staleness = 0  # eta: a batch is admitted while floor((N_r - 1) / B) <= i + eta
   c.rl.buffer_groups = 0  # finished groups the buffer holds; 0 = (eta + 1) x prompts_per_step
   c.rl.inflight_update = "keep_kv"  # keep_kv (PipelineRL) | recompute (AReaL): a weight
   #                                   update reaches rows in flight, their KV cache kept or redone
   c.rl.sync_chunk_mib = 512  # weight sync: the most MiB of params copied at once
+  c.rl.sync_timeout_s = 600.0  # a weight / batch transfer between processes that takes longer fails
   # the rollout mesh's axes when split (0 = as mesh.*): e.g. tensor=2 gives a 16-chip
   # rollout of 8 hosts 8 batch shards, one per host, as the continuous engine needs
   c.rl.rollout_mesh = mlc.ConfigDict(dict(dcn=0, data=0, fsdp=0, tensor=0))
@@ -558,7 +559,7 @@ def get_config_for(arg: str, flavors: tuple = ()) -> tuple[mlc.ConfigDict, tuple
 
 def apply_common_flavors(c: mlc.ConfigDict, flavors: tuple) -> mlc.ConfigDict:
   """Flavors shared by every algorithm: call last, after the algorithm's fields."""
-  if "decoupled" in flavors:  # AReaL: pi_prox recomputed each step; pair with rl.staleness
+  if "decoupled" in flavors:  # AReaL: pi_prox recomputed each step; pair with rl.max_staleness
     for term in c.rl.terms.values():
       if term.loss == "policy_gradient":
         term.loss = "decoupled"

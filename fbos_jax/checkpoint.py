@@ -201,17 +201,49 @@ def _from_jsonable(x):
   return x
 
 
+def multiprocessing_options(processes: Optional[tuple] = None, prefix: str = "fbos_ckpt"):
+  """Orbax's options for a save by ``processes`` (default all): with several
+  processes its barriers go through jax.distributed's barriers over them only
+  (never a device program over every device; a split's other side is not there)."""
+  if jax.process_count() == 1:
+    return ocp.options.MultiprocessingOptions()
+  procs = tuple(processes) if processes is not None else tuple(range(jax.process_count()))
+  return ocp.options.MultiprocessingOptions(primary_host=procs[0], active_processes=set(procs),
+                                            barrier_sync_key_prefix=prefix)
+
+
+def savable(tree: Any) -> Any:
+  """``tree`` as orbax saves it: in a multi-process run whose state lives on one
+  process (one side of a split), its arrays as host numpy arrays, which orbax
+  writes from its primary process (it refuses a process-local jax.Array when
+  there are several processes); restore places them on the target shardings."""
+  if jax.process_count() == 1:
+    return tree
+  import numpy as np
+  return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and
+                      x.is_fully_addressable else x, tree)
+
+
 class Checkpointer:
   """Thin wrapper over ``ocp.CheckpointManager`` with our three items."""
 
-  def __init__(self, directory: str, *, save_every: int, keep: int, async_save: bool = True):
+  def __init__(self, directory: str, *, save_every: int, keep: int, async_save: bool = True,
+               processes: Optional[tuple] = None):
+    """``processes``: the processes that hold the state and save it together
+    (default all); orbax's barriers then go through jax.distributed's barriers
+    over them only, never a device program over every device."""
     directory = os.path.abspath(directory) if "://" not in directory else directory
     self.directory = directory
+    multi = multiprocessing_options(processes)
+    self.primary = multi.primary_host
+    if jax.process_count() > 1 and "://" not in directory:  # orbax leaves it to us then
+      os.makedirs(directory, exist_ok=True)
     self.manager = ocp.CheckpointManager(
         directory,
         options=ocp.CheckpointManagerOptions(
             save_interval_steps=max(int(save_every), 1), max_to_keep=keep,
-            enable_async_checkpointing=async_save, create=True),
+            enable_async_checkpointing=async_save, create=jax.process_count() == 1,
+            multiprocessing_options=multi),
         item_names=("state", "data", "meta"),
     )
     self.restored_step: Optional[int] = None
@@ -292,7 +324,7 @@ class Checkpointer:
       return self.manager.save(
           int(step),
           args=ocp.args.Composite(
-              state=ocp.args.StandardSave(state),
+              state=ocp.args.StandardSave(savable(state)),
               data=ocp.args.JsonSave(_to_jsonable(data_state)),
               meta=ocp.args.JsonSave(_to_jsonable(meta))),
           force=force)
@@ -349,7 +381,7 @@ class Checkpointer:
 
   def _move_aside(self, steps: list[int]) -> None:
     """Moves unreadable step directories to ``<parent>/corrupt_checkpoints``."""
-    if jax.process_index() != 0 or "://" in self.directory:
+    if jax.process_index() != self.primary or "://" in self.directory:
       return
     target = os.path.join(os.path.dirname(self.directory), "corrupt_checkpoints")
     for s in steps:
@@ -382,8 +414,8 @@ class Checkpointer:
                      expected_meta: Optional[dict] = None):
     """Only the params of checkpoint ``step`` (newest readable if None), into
     ``abstract_params`` (ShapeDtypeStructs with the target shardings): what
-    eval and export need, whatever the rest of the state's layout (staleness,
-    KL reference, optimizer) was. A model-config mismatch names the field and
+    eval and export need, whatever the rest of the state's layout (KL
+    reference, optimizer) was. A model-config mismatch names the field and
     both values. Returns (params, step, meta).
 
     Like training's :meth:`restore`, ``step=None`` falls back to the newest
@@ -458,13 +490,12 @@ def _check_layout(saved: Optional[dict], want: Optional[dict], where: str):
   written before the layout was recorded are not checked."""
   if not saved or not want:
     return
-  diff = {k: (saved.get(k), want.get(k)) for k in set(saved) | set(want)
-          if saved.get(k) != want.get(k)}
+  diff = {k: (saved[k], want[k]) for k in set(saved) & set(want) if saved[k] != want[k]}
   if diff:
     fields = ", ".join(f"{k}: checkpoint={a!r} config={b!r}" for k, (a, b) in sorted(diff.items()))
     raise CheckpointMismatchError(
         f"The checkpoint at {where} holds a training state of another layout ({fields}): "
-        "these fields decide what the state holds (stale params, the KL reference, the GFPO "
+        "these fields decide what the state holds (the KL reference, the GFPO "
         "history, the optimizer state), so it cannot resume this config. Use another "
         "--workdir, or set the fields back; eval and export read only the params and are "
         "not affected.")

@@ -60,7 +60,7 @@ def run_programs(ctx, state, *, eval_prompts: int = 0, eval_k: int = 1) -> list:
   processes = jax.process_count()
   shards = sh.batch_shard_count(mesh, rules)
   # what the samplers read: the master in model.compute_dtype (state_lib.ComputeCopy)
-  params = state_lib.compute_params(state.sampling_params(), parts.model)
+  params = state_lib.compute_params(state.params, parts.model)
   kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
   groups = []
   if parts.sampling.engine == "continuous":

@@ -13,10 +13,21 @@ a handful of ints or a JSON blob per host, never rollouts or texts):
 :func:`per_process_state` / :func:`select_process_state` (each host's data
 iterator state in a checkpoint), and :func:`check_mesh` (the mesh's batch axes
 must split over the processes).
+
+They go through jax.distributed's key-value store, never through a device
+program over every device, and over the processes of this process's
+:class:`Side` only (all of them, or one side of a whole-process rollout /
+trainer split), each side in its own namespace. Every process writes a
+heartbeat there (:func:`start_watchdog`); a process whose heartbeat stops (20 s)
+or that reports a failure (:func:`fail_run`) is named by every wait here
+(:class:`PeerLostError`) and by the watchdog, which ends a process stuck
+elsewhere, well before the coordination service's own heartbeat timeout
+(``heartbeat_timeout_s``) would abort it with less to say.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +42,8 @@ import numpy as np
 
 # Exit status of a process whose jax.distributed start-up timed out (see initialize).
 INIT_TIMEOUT_EXIT_CODE = 75
+# Exit status of a process that stopped because another one was gone (start_watchdog).
+PEER_LOST_EXIT_CODE = 76
 
 
 class DistributedInitError(RuntimeError):
@@ -120,7 +133,8 @@ def _wait_for_coordinator(address: str, process_id: int, deadline: float, timeou
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = -1,
-               *, timeout_s: int = 300, local_device_ids=None) -> bool:
+               *, timeout_s: int = 300, local_device_ids=None,
+               heartbeat_timeout_s: int = 60) -> bool:
   """Initialise jax.distributed when there is more than one process.
 
   Returns True if it initialised. Never hangs past ``timeout_s``:
@@ -177,7 +191,10 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
   threading.Thread(target=watchdog, name="jax-distributed-watchdog", daemon=True).start()
   try:
     # JAX's own deadline is set past ours, so that the watchdog speaks first.
-    jax.distributed.initialize(initialization_timeout=int(left) + 30, **kwargs)
+    if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):  # programs over CPU hosts
+      jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(initialization_timeout=int(left) + 30,
+                               heartbeat_timeout_seconds=int(heartbeat_timeout_s), **kwargs)
   except Exception as e:  # noqa: BLE001 - re-raised with the fix
     raise DistributedInitError(
         f"jax.distributed.initialize failed for coordinator {where} "
@@ -185,47 +202,289 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
         "running and reachable on that port?") from None
   finally:
     done.set()
+  start_watchdog()
   return True
+
+
+# ----------------------------------------------------------------------------- sides
+
+
+class PeerLostError(RuntimeError):
+  """A process this one waits for stopped (no heartbeat): names it and its side."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Side:
+  """The processes that agree with each other: every process, or one side of a
+  whole-process split (``rl.rollout_devices``, :mod:`fbos_jax.rl.split`).
+  ``name`` namespaces the side's key-value traffic, so the two sides of a split
+  never pair each other's calls."""
+  name: str
+  processes: tuple
+
+  @property
+  def index(self) -> int:
+    return self.processes.index(jax.process_index())
+
+  @property
+  def count(self) -> int:
+    return len(self.processes)
+
+
+_SIDE: Optional[Side] = None
+_ROLES: dict = {}  # process -> the side it is on (for errors)
+_SEQ: dict = {}  # side name -> calls made (every process of a side makes the same calls)
+_DONE = "fbos/done/"
+_ERROR = "fbos/error/"
+_BEAT = "fbos/beat/"
+_BEATS: dict = {}  # process -> (its last heartbeat seen, when it changed, local clock)
+_HEARTBEAT_TIMEOUT_S = [20.0]
+_FAILING = threading.Event()
+_WATCHING = threading.Event()
+_FINISHED = threading.Event()  # finish(): the watchdog stops
+_WATCHDOG: list = []  # its thread
+
+
+def set_heartbeat_timeout(seconds: float):
+  """How long a silent peer is waited for before it counts as lost."""
+  _HEARTBEAT_TIMEOUT_S[0] = float(seconds)
+
+
+def set_sides(mine: Side, *others: Side):
+  """This process's side (its agreements go over ``mine.processes`` only) and the
+  other sides (for naming a lost process)."""
+  global _SIDE
+  _SIDE = mine
+  for s in (mine,) + others:
+    _ROLES.update({p: s.name for p in s.processes})
+
+
+def side() -> Side:
+  return _SIDE or Side("all", tuple(range(jax.process_count())))
+
+
+def process_index() -> int:
+  """This process's index on its side (``jax.process_index()`` without a split)."""
+  return side().index
+
+
+def process_count() -> int:
+  """The processes of this process's side (``jax.process_count()`` without a split)."""
+  return side().count
+
+
+def describe_process(p: int) -> str:
+  return f"process {p} ({_ROLES.get(p, 'all')} side)"
+
+
+def _client():
+  from jax._src import distributed as jd
+  if jd.global_state.client is None:
+    raise DistributedInitError("several processes but no jax.distributed client; call "
+                               "fbos_jax.distributed.initialize first")
+  return jd.global_state.client
+
+
+def _lost_service(e: BaseException) -> PeerLostError:
+  return PeerLostError(f"{describe_process(0)}, which hosts the coordination service, is gone "
+                       f"({str(e).splitlines()[0]}); {describe_process(jax.process_index())} "
+                       "stops too")
+
+
+def check_peers(processes=None, what: str = ""):
+  """Raise :class:`PeerLostError` naming a process of ``processes`` (default all)
+  that reported a failure, or whose heartbeat (:func:`start_watchdog`) stopped
+  for ``heartbeat_timeout_s`` without its having finished. (The coordination
+  service's own liveness call is a barrier over the processes asked, so it
+  cannot be polled by one side alone.)"""
+  me = jax.process_index()
+  procs = [p for p in (range(jax.process_count()) if processes is None else processes) if p != me]
+  try:
+    for p in range(jax.process_count()):
+      msg = get_key(f"{_ERROR}{p}", strict=True)
+      if msg is not None and p != me:
+        raise PeerLostError(f"{describe_process(p)} failed: {msg}")
+    now, lost = time.time(), []
+    for p in procs:
+      beat = get_key(f"{_BEAT}{p}", strict=True)
+      seen = _BEATS.get(p)
+      if seen is None or seen[0] != beat:
+        _BEATS[p] = (beat, now)
+      elif now - seen[1] > _HEARTBEAT_TIMEOUT_S[0] and get_key(f"{_DONE}{p}", strict=True) is None:
+        lost.append(p)
+  except PeerLostError:
+    raise
+  except Exception as e:  # noqa: BLE001 - the coordination service itself is gone
+    raise _lost_service(e) from None
+  if lost:
+    raise PeerLostError(
+        f"{', '.join(describe_process(p) for p in lost)} stopped (no heartbeat for "
+        f"{_HEARTBEAT_TIMEOUT_S[0]:.0f} s: it died or was killed)"
+        f"{' while ' + what if what else ''}; {describe_process(me)} stops too. Restart the "
+        "same command on the same workdir to resume from the last checkpoint.")
+
+
+def get_key(key: str, strict: bool = False) -> Optional[str]:
+  """The value of ``key`` in jax.distributed's key-value store, or None (not set;
+  with ``strict``, any other error raises)."""
+  try:
+    return _client().key_value_try_get(key)
+  except Exception as e:  # noqa: BLE001 - NOT_FOUND
+    if strict and "NOT_FOUND" not in str(e):
+      raise
+    return None
+
+
+def wait_key(key: str, what: str, *, processes=None, timeout_s: Optional[float] = None,
+             poll_s: float = 1.0) -> bytes:
+  """The value of ``key`` in jax.distributed's key-value store, once some process
+  sets it; raises :class:`PeerLostError` (naming it) as soon as a process of
+  ``processes`` (default all) is gone, TimeoutError after ``timeout_s``."""
+  client = _client()
+  t0 = time.time()
+  while True:
+    try:
+      return client.blocking_key_value_get_bytes(key, int(poll_s * 1000))
+    except Exception as e:  # noqa: BLE001 - a deadline: look at the peers, wait again
+      if "DEADLINE_EXCEEDED" not in str(e):
+        raise _lost_service(e) from None
+    check_peers(processes, what)
+    if timeout_s is not None and time.time() - t0 > timeout_s:
+      raise TimeoutError(f"{describe_process(jax.process_index())} waited {timeout_s:.0f} s "
+                         f"for {what} ({key})")
+
+
+def put_key(key: str, value: bytes):
+  _client().key_value_set_bytes(key, value, allow_overwrite=True)
+
+
+def _leave(code: int):
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)
+
+
+def finish():
+  """This process is done: mark it (so that peers do not take its silence for a
+  crash) and wait until every process is; then they all leave through jax's
+  exit-time shutdown barrier."""
+  if jax.process_count() == 1:
+    return
+  put_key(f"{_DONE}{jax.process_index()}", b"1")
+  for p in range(jax.process_count()):
+    wait_key(f"{_DONE}{p}", "the end of the run")
+  # no daemon thread inside a call to the coordination service at exit (the
+  # interpreter's end unwinding it there aborts the process: "exception not rethrown")
+  _FINISHED.set()
+  for t in _WATCHDOG:
+    t.join()
+
+
+def fail_run(error: BaseException, wait_s: float = 30.0):
+  """This process of a multi-process run fails with ``error``: tell the others
+  (their waits and watchdogs raise it, naming this process), print it, and leave
+  without jax's exit-time shutdown (which would abort loudly once the
+  coordination service is gone). Process 0, which hosts the service, first
+  waits (up to ``wait_s``) until the others' heartbeats stop. Never returns."""
+  import traceback
+  _FAILING.set()  # the watchdog says nothing more
+  traceback.print_exception(error, file=sys.stderr)
+  me = jax.process_index()
+  try:
+    put_key(f"{_ERROR}{me}", f"{type(error).__name__}: {error}"[:4000].encode())
+    t0, last = time.time(), {}
+    while me == 0 and time.time() - t0 < wait_s:
+      beats = {p: get_key(f"{_BEAT}{p}") for p in range(1, jax.process_count())}
+      now = time.time()
+      last = {p: (b, last[p][1] if p in last and last[p][0] == b else now)
+              for p, b in beats.items()}
+      if all(now - t > 3.0 for _, t in last.values()):
+        break
+      time.sleep(0.2)
+  except Exception:  # noqa: BLE001 - the service is gone already
+    pass
+  print(f"[fbos_jax.distributed] {describe_process(me)} stops: "
+        f"{type(error).__name__}: {str(error)[:2000]}", file=sys.stderr, flush=True)
+  _leave(1)
+
+
+def start_watchdog(poll_s: float = 1.0):
+  """A daemon thread (started by :func:`initialize`) that writes this process's
+  heartbeat (every ``poll_s``) and ends this process (exit status
+  ``PEER_LOST_EXIT_CODE``, the lost process named on stderr) when another one is
+  gone, whatever this one is doing then (e.g. waiting inside a collective
+  program), before the coordination service's own heartbeat timeout aborts it
+  with less to say."""
+  if jax.process_count() == 1 or _WATCHING.is_set():
+    return
+  _WATCHING.set()
+  me = jax.process_index()
+
+  def watch():
+    beat = 0
+    while not _FINISHED.is_set():
+      try:
+        beat += 1
+        put_key(f"{_BEAT}{me}", str(beat).encode())
+        check_peers(what="watching the peers")
+      except PeerLostError as e:
+        if _FAILING.is_set():
+          return
+        print(f"[fbos_jax.distributed] {e}", file=sys.stderr, flush=True)
+        _leave(PEER_LOST_EXIT_CODE)
+      except Exception:  # noqa: BLE001 - shut down
+        return
+      _FINISHED.wait(poll_s)
+
+  _WATCHDOG.append(threading.Thread(target=watch, name="fbos-peer-watchdog", daemon=True))
+  _WATCHDOG[-1].start()
 
 
 # ----------------------------------------------------------------------------- reductions
 
 
-def allgather_ints(*values: int) -> np.ndarray:
-  """[process_count, len(values)] int64: every host's ``values`` (every host
-  must call it, in the same order)."""
-  local = np.asarray([int(v) for v in values], np.int64).reshape(1, -1)
-  if jax.process_count() == 1:
-    return local
-  from jax.experimental import multihost_utils
-  if np.abs(local).max(initial=0) >= 2**31:
-    raise OverflowError(f"allgather_ints: {values} do not fit int32")
-  arr = multihost_utils.process_allgather(local.astype(np.int32).reshape(-1))
-  return np.asarray(arr, np.int64).reshape(jax.process_count(), -1)
-
-
-def agree_max(*values: int) -> tuple[int, ...]:
-  """The element-wise max of some ints over all processes (every host must call
-  it, in the same order). Hosts use it to agree on shape buckets, so that their
-  process-local batches assemble into one global array."""
-  if jax.process_count() == 1:
-    return tuple(int(v) for v in values)
-  return tuple(int(v) for v in allgather_ints(*values).max(0))
+def allgather_bytes(blob: bytes) -> list:
+  """Every process's ``blob`` on this process's side, in side order, through
+  jax.distributed's key-value store (no device program; every process of the
+  side calls it, in the same order)."""
+  s = side()
+  if s.count == 1:
+    return [blob]
+  seq = _SEQ.get(s.name, 0)
+  _SEQ[s.name] = seq + 1
+  key = f"fbos/{s.name}/{seq}"
+  put_key(f"{key}/{s.index}", blob)
+  out = [blob if i == s.index else wait_key(f"{key}/{i}", f"agreement {seq} of the {s.name} "
+                                             "side", processes=s.processes)
+         for i in range(s.count)]
+  if seq >= 2:  # every peer has read our key of two calls ago (it is past that call)
+    _client().key_value_delete(f"fbos/{s.name}/{seq - 2}/{s.index}")
+  return out
 
 
 def allgather_json(obj: Any) -> list:
-  """Every host's JSON-serialisable ``obj``, in process order (small objects:
-  metric names, data iterator states)."""
-  if jax.process_count() == 1:
+  """Every process's JSON-serialisable ``obj`` on this side, in side order (small
+  objects: metric names, data iterator states)."""
+  if process_count() == 1:
     return [obj]
-  from jax.experimental import multihost_utils
-  blob = np.frombuffer(json.dumps(obj, sort_keys=True).encode("utf-8"), np.uint8)
-  sizes = allgather_ints(blob.size)[:, 0]
-  n = 1 << int(max(sizes.max(), 1) - 1).bit_length()  # power-of-two buffers: few programs
-  buf = np.zeros((n,), np.uint8)
-  buf[:blob.size] = blob
-  allb = np.asarray(multihost_utils.process_allgather(buf)).reshape(jax.process_count(), n)
-  return [json.loads(bytes(allb[i, :sizes[i]]).decode("utf-8")) for i in range(len(sizes))]
+  blobs = allgather_bytes(json.dumps(obj, sort_keys=True).encode("utf-8"))
+  return [json.loads(b.decode("utf-8")) for b in blobs]
+
+
+def allgather_ints(*values: int) -> np.ndarray:
+  """[processes of this side, len(values)] int64: every process's ``values``
+  (every process of the side must call it, in the same order)."""
+  local = [int(v) for v in values]
+  return np.asarray(allgather_json(local), np.int64).reshape(-1, len(local))
+
+
+def agree_max(*values: int) -> tuple[int, ...]:
+  """The element-wise max of some ints over this side's processes (every process
+  must call it, in the same order). Hosts use it to agree on shape buckets, so
+  that their process-local batches assemble into one global array."""
+  if process_count() == 1:
+    return tuple(int(v) for v in values)
+  return tuple(int(v) for v in allgather_ints(*values).max(0))
 
 
 def _is_number(v) -> bool:
@@ -233,24 +492,18 @@ def _is_number(v) -> bool:
 
 
 def mean_over_processes(metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
-  """Reduce the numeric metrics of every host: the mean (hosts have equal local
-  batches), or the sum for ``sum_keys`` (counts, throughput). A metric some
-  hosts lack (e.g. round-2 stats on a host that sampled no round 2) is averaged
-  over the hosts that have it."""
-  if jax.process_count() == 1:
+  """Reduce the numeric metrics of this side's processes: the mean (hosts have
+  equal local batches), or the sum for ``sum_keys`` (counts, throughput). A
+  metric some hosts lack (e.g. round-2 stats on a host that sampled no round 2)
+  is averaged over the hosts that have it. Floats travel exactly (as hex)."""
+  if process_count() == 1:
     return metrics
-  from jax.experimental import multihost_utils
-  mine = sorted(k for k, v in metrics.items() if _is_number(v))
-  keys = sorted(set().union(*[set(ks) for ks in allgather_json(mine)]))
-  vals = np.asarray([float(metrics[k]) if k in metrics and _is_number(metrics[k]) else np.nan
-                     for k in keys], np.float64)
-  # float64 travels as uint32 pairs (exact, with or without jax_enable_x64)
-  allv = np.asarray(multihost_utils.process_allgather(vals.view(np.uint32)), np.uint32)
-  allv = allv.reshape(jax.process_count(), -1).view(np.float64)
+  mine = {k: float(v).hex() for k, v in metrics.items() if _is_number(v)}
+  every = allgather_json(mine)
   out = dict(metrics)
   sums = set(sum_keys)
-  for i, k in enumerate(keys):
-    col = allv[:, i]
+  for k in sorted(set().union(*every)):
+    col = np.asarray([float.fromhex(d[k]) for d in every if k in d], np.float64)
     out[k] = float(np.nansum(col) if k in sums else np.nanmean(col))
   return out
 
@@ -265,7 +518,7 @@ def per_process_state(state: Any) -> Any:
   """Bundle every host's (JSON) state for a checkpoint written once by the
   primary host: ``{"__per_process__": [state_0, state_1, ...]}``. A single
   process keeps its state as is."""
-  if jax.process_count() == 1:
+  if process_count() == 1:
     return state
   return {_PER_PROCESS: allgather_json(state)}
 
@@ -274,7 +527,7 @@ def select_process_state(saved: Any, *, what: str = "data iterator state") -> An
   """This host's part of :func:`per_process_state`'s bundle, or None (start
   afresh, with a warning) when the checkpoint was written by another number of
   processes: the per-host shards then differ and cannot be resumed exactly."""
-  pc, pi = jax.process_count(), jax.process_index()
+  pc, pi = process_count(), process_index()
   if isinstance(saved, dict) and _PER_PROCESS in saved:
     states = saved[_PER_PROCESS]
     if len(states) == pc:
@@ -300,7 +553,7 @@ def check_mesh(mesh, batch_axes: Sequence[str] = ()) -> None:
   rules' "batch" entry) of its own (then each host's rows form a
   contiguous slice of the global batch). Raises ``ProcessMeshError`` naming the
   mesh and the processes otherwise. A no-op in a single process."""
-  pc = jax.process_count()
+  pc = process_count()
   if pc == 1:
     return
   from fbos_jax import sharding as sh
@@ -310,10 +563,11 @@ def check_mesh(mesh, batch_axes: Sequence[str] = ()) -> None:
   shards = math.prod(mesh.shape[a] for a in axes)
   desc = " x ".join(f"{a}={s}" for a, s in mesh.shape.items())
   procs = sorted({d.process_index for d in mesh.devices.flat})
-  if len(procs) != pc:
+  if procs != sorted(side().processes):
     raise ProcessMeshError(
-        f"the mesh ({desc}) covers the devices of processes {procs}, but there are {pc} "
-        "processes: build it over jax.devices() (all processes), not jax.local_devices().")
+        f"the mesh ({desc}) covers the devices of processes {procs}, but the {side().name} "
+        f"side has processes {list(side().processes)}: build it over all their devices "
+        "(jax.devices()), not jax.local_devices().")
   if shards % pc:
     raise ProcessMeshError(
         f"the mesh ({desc}) has {shards} batch shards (mesh.{'*'.join(axes)}), which do not "

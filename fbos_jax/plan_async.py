@@ -1,7 +1,7 @@
 """Plans of the asynchronous system (issue 25): the split plan compiled, and the modelled speedup.
 
 * :func:`compile_split_plan`: the devices of a topology split as the run would
-  split them (``rl.rollout_devices``, :func:`fbos_jax.rl.async_rl.split_devices`),
+  split them (``rl.rollout_devices``, :func:`fbos_jax.rl.split.split_of`),
   the trainer mesh's update program and the rollout mesh's sampler programs
   compiled with :func:`fbos_jax.plan.compile_program` (XLA's memory analysis is
   the authority), and the weight sync planned as it runs
@@ -30,7 +30,7 @@ import jax
 from fbos_jax import hardware as hw
 from fbos_jax import plan as plan_lib
 from fbos_jax import sharding as sh
-from fbos_jax.rl import async_rl
+from fbos_jax.rl import split as split_lib
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import shapes as shapes_lib
 from fbos_jax.rl import state as state_lib
@@ -44,6 +44,11 @@ ICI_BYTES_PER_S = {"TPU v4": 2400e9 / 8, "TPU v5e": 1600e9 / 8, "TPU v5p": 4800e
                    "TPU v6e": 3584e9 / 8, "NVIDIA H100 SXM": 900e9, "NVIDIA H200 SXM": 900e9}
 
 
+# ASSUMED: a host's network for the transfer server between paired hosts (a
+# multi-process split's weights cross host to host, not over ICI): 100 Gb/s.
+DCN_BYTES_PER_S_PER_HOST = 100e9 / 8
+
+
 @dataclasses.dataclass
 class SplitMeshes:
   trainer: jax.sharding.Mesh
@@ -52,32 +57,45 @@ class SplitMeshes:
 
 
 def split_meshes(config, devices, rollout_devices: int) -> SplitMeshes:
-  """The two meshes of ``rollout_devices`` on ``devices`` (as the run splits them)."""
-  rollout_cfg = async_rl.rollout_mesh_config(config.mesh,
+  """The two meshes of ``rollout_devices`` on ``devices`` (as the run splits them:
+  in one process, or whole processes per side, ``fbos_jax.rl.split.split_of``)."""
+  rollout_cfg = split_lib.rollout_mesh_config(config.mesh,
                                              config_lib.async_config(config).rollout_mesh)
-  trainer, rollout = async_rl.split_devices(devices, rollout_devices, config.mesh, rollout_cfg)
+  trainer, rollout = split_lib.split_of(devices, rollout_devices, config.mesh, rollout_cfg)
   return SplitMeshes(hw.target_mesh(config, trainer), sh.make_mesh(rollout_cfg, rollout),
                      sh.rules_dict(config.mesh.rules))
 
 
 def plan_sync(parts, meshes: SplitMeshes, chunk_bytes: int, chip) -> dict:
   """The weight sync of ``parts``'s compute copy (``model.compute_dtype``, what the
-  rollout samples with; never the master) from the trainer to the rollout mesh, as
-  :class:`~fbos_jax.rl.weight_sync.WeightSync` would run it (its intermediate mesh
-  and cover checked): bytes, chunks and the interconnect-time estimate."""
+  rollout samples with; never the float32 master) from the trainer to the rollout
+  mesh as the run makes it: in one process,
+  :class:`~fbos_jax.rl.weight_sync.WeightSync` (its intermediate mesh and cover
+  checked; interconnect estimate over ICI); over processes, one jitted copy onto
+  the trainer's devices laid out as the rollout's, pulled by JAX's transfer server
+  between paired hosts (estimate over the hosts' network at the ASSUMED
+  :data:`DCN_BYTES_PER_S_PER_HOST`)."""
   st = state_lib.abstract_state(parts, meshes.trainer, meshes.rules)
   policy = state_lib.compute_abstract(st.params, parts.model)
   specs = state_lib.param_specs(parts, meshes.rollout, meshes.rules)
   dst = weight_sync.rollout_shardings(policy, specs, meshes.rollout)
-  ws = weight_sync.WeightSync(policy, dst, chunk_bytes, "split")
   total, most = weight_sync.received_bytes(policy, dst)
-  bw = ICI_BYTES_PER_S.get(chip.name, 0.0) / 2  # one direction
-  n_src = meshes.trainer.size
-  return {"bytes_total": total, "bytes_per_device_max": most, "chunks": len(ws.groups),
-          "largest_chunk_bytes": max(ws.group_bytes),
-          "intermediate_bytes_per_device": max(ws.group_bytes) / n_src,
-          "ici_bytes_per_s_one_way": bw, "est_s": most / bw if bw else float("nan"),
-          "same_shape": dict(meshes.trainer.shape) == dict(meshes.rollout.shape)}
+  hosts = len({d.process_index for d in meshes.rollout.devices.flat})
+  same = dict(meshes.trainer.shape) == dict(meshes.rollout.shape)
+  if {d.process_index for d in meshes.rollout.devices.flat} & {
+      d.process_index for d in meshes.trainer.devices.flat}:
+    ws = weight_sync.WeightSync(policy, dst, chunk_bytes, "split")
+    bw = ICI_BYTES_PER_S.get(chip.name, 0.0) / 2  # one direction
+    return {"path": "device-to-device (one process)", "bytes_total": total,
+            "bytes_per_device_max": most, "chunks": len(ws.groups),
+            "largest_chunk_bytes": max(ws.group_bytes),
+            "intermediate_bytes_per_device": max(ws.group_bytes) / meshes.trainer.size,
+            "bytes_per_s": bw, "est_s": most / bw if bw else float("nan"), "same_shape": same}
+  per_host = total / hosts
+  return {"path": "transfer server (paired hosts)", "bytes_total": total,
+          "bytes_per_device_max": most, "chunks": 1, "largest_chunk_bytes": total,
+          "intermediate_bytes_per_device": most, "bytes_per_s": DCN_BYTES_PER_S_PER_HOST,
+          "est_s": per_host / DCN_BYTES_PER_S_PER_HOST, "same_shape": same}
 
 
 def _programs(parts, mesh, rules, names, eval_prompts=0, eval_k=1):
@@ -120,7 +138,7 @@ def compile_split_plan(config, topology: str, rollout_devices: int, *,
       reports["trainer/update"], m = found
       suggestions["trainer/update"] = f"--config.rl.micro_batches={m}"
   sync = plan_sync(parts, meshes, chunk_bytes, chip)
-  params_rollout = async_rl.split_bytes(parts, meshes.trainer, meshes.rollout,
+  params_rollout = split_lib.split_bytes(parts, meshes.trainer, meshes.rollout,
                                         meshes.rules)["rollout"] // 2
   peaks = {}
   for side, extra in (("trainer", sync["intermediate_bytes_per_device"]),
@@ -168,13 +186,11 @@ def format_split_plan(plan: dict) -> str:
                  f"{g(p['async_extra'])} = {g(p['peak'])} ({100 * p['peak'] / hbm:.1f}% of HBM, "
                  f"headroom {100 * (1 - p['peak'] / hbm):.1f}%)")
   s = plan["sync"]
-  lines.append(f"  weight sync: {s['bytes_total'] / 1e9:.2f} GB received in all "
+  lines.append(f"  weight sync ({s['path']}): {s['bytes_total'] / 1e9:.2f} GB received in all "
                f"({s['bytes_per_device_max'] / 1e9:.3f} GB the most one device), {s['chunks']} "
-               f"chunk(s) (a leaf above rl.sync_chunk_mib goes alone: the largest "
-               f"{s['largest_chunk_bytes'] / 2 ** 20:.0f} MiB, "
-               f"{s['intermediate_bytes_per_device'] / 2 ** 20:.0f} MiB per trainer device); interconnect "
-               f"estimate {1e3 * s['est_s']:.1f} ms at {s['ici_bytes_per_s_one_way'] / 1e9:.0f} "
-               "GB/s one way per chip"
+               f"chunk(s) (the largest {s['largest_chunk_bytes'] / 2 ** 20:.0f} MiB, "
+               f"{s['intermediate_bytes_per_device'] / 2 ** 20:.0f} MiB per trainer device); "
+               f"estimate {1e3 * s['est_s']:.1f} ms at {s['bytes_per_s'] / 1e9:.1f} GB/s"
                + ("" if s["same_shape"] else " (+ the intermediate reshard inside the trainer)"))
   for name, flag in plan.get("suggestions", {}).items():
     lines.append(f"  {name} fits with {flag} (the trainer has {plan['trainer_devices']} of the "

@@ -202,6 +202,8 @@ class SampleOutput:
     each row was sampled under (P = the prompt bucket).
   stopped [N] bool: the row ended with a stop token (False: hit max_new_tokens).
   prompt_truncated [N] bool: the prompt was cut by ``truncate='left'``.
+  versions [N, R] int64 or None: the policy version of each token, when the
+    engine sampled from a ``ParamsSource`` (-1 off the mask).
   """
   tokens: np.ndarray
   lengths: np.ndarray
@@ -211,6 +213,7 @@ class SampleOutput:
   prompt_mask: np.ndarray
   stopped: np.ndarray
   prompt_truncated: np.ndarray
+  versions: Optional[np.ndarray] = None
 
   @property
   def num_rows(self) -> int:
@@ -704,9 +707,10 @@ def _agree_prompts(rows, scfg: SamplingConfig, vocab_size: int, mesh, allow_empt
     rows, truncated, plen = _prepare_prompts(rows, scfg, vocab_size)
     return rows, truncated, plen, 0, len(rows), 1
   from fbos_jax import distributed
-  if nproc != jax.process_count():
-    raise SamplingError(f"the mesh spans {nproc} of the {jax.process_count()} processes; a "
-                        "multi-process mesh must span them all.")
+  if nproc != distributed.process_count():
+    raise SamplingError(f"the mesh spans {nproc} of the {distributed.process_count()} processes "
+                        f"of the {distributed.side().name} side; a multi-process mesh must span "
+                        "them all.")
   err, truncated = None, np.zeros((0,), bool)
   try:
     if len(rows):
@@ -730,7 +734,7 @@ def _agree_prompts(rows, scfg: SamplingConfig, vocab_size: int, mesh, allow_empt
     raise SamplingError(f"the mesh's {shards} batch shards (dcn*data*fsdp) do not divide over "
                         f"{nproc} processes; each process samples its own prompts.")
   plen = buckets.pick_bucket(int(table[:, 1].max()), scfg.prompt_buckets, what="prompt")
-  offset = int(counts[:jax.process_index()].sum())
+  offset = int(counts[:distributed.process_index()].sum())
   return rows, truncated, plen, offset, int(counts.max()), nproc
 
 

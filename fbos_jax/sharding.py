@@ -234,10 +234,11 @@ def put_process_local(local: np.ndarray, mesh, rules=None) -> jax.Array:
   contributes its own shard, nothing is gathered to one host."""
   local = np.asarray(local)
   spec = batch_spec(local.ndim, rules=rules)
-  global_rows = local.shape[0] * jax.process_count()
+  procs = len({d.process_index for d in mesh.devices.flat})
+  global_rows = local.shape[0] * procs
   spec = fit_spec(spec, (global_rows,) + local.shape[1:], mesh)
   sharding = NamedSharding(mesh, spec)
-  if jax.process_count() == 1:
+  if procs == 1:
     return jax.device_put(local, sharding)
   return jax.make_array_from_process_local_data(sharding, local)
 

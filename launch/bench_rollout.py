@@ -135,7 +135,7 @@ def two_round(args) -> dict:
   for _ in range(args.repeats):
     for stream in (False, True):
       t0 = time.perf_counter()
-      _, metrics[stream], _ = rollout.rollout_step(ctxs[stream], params, examples, key)
+      metrics[stream] = rollout.rollout_step(ctxs[stream], params, examples, key).metrics
       runs[stream].append(time.perf_counter() - t0)
       engine_stats[stream].append(ctxs[stream].engine_stats.as_dict())
   for ctx in ctxs.values():

@@ -12,12 +12,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def main(workdir: str, kill_after: int):
-  from fbos_jax.rl.async_trainer import AsyncRLTrainer
+  from fbos_jax.rl.trainer import RLTrainer
   from fbos_jax.testing.small import small_config
   c = small_config("configs/fbos.py:tiny", **{
       "train.steps": 6, "train.checkpoint_every": 2, "rl.rollout_devices": 4,
       "rl.max_staleness": 2, "data.verifier": "fbos_jax.testing.small:parity_reward"})
-  tr = AsyncRLTrainer(c, workdir)
+  tr = RLTrainer(c, workdir)
 
   def on_step(s, state, m):
     if s == kill_after:

@@ -121,7 +121,8 @@ def counting_trainer(tr, its):
   counter = CountingVerifier(text_hash_verifier)
   tr.ctx.pool.verifier = counter
   steps = []
-  tr.train_iter = Tagged(its, on_next=lambda: steps.append([]))
+  # the trainer's rollout source takes the prompts from it
+  tr.train_iter = tr.source.iterator = Tagged(its, on_next=lambda: steps.append([]))
   inner_verify = tr.ctx.verify
 
   def verify(examples, texts):
@@ -352,6 +353,8 @@ def main():
       return
   {"train": run_train, "reference": run_reference, "restore": run_restore,
    "bad_mesh": run_bad_mesh, "engine": run_engine}[ARGS.mode]()
+  if ARGS.mode in ("train", "bad_mesh", "engine"):  # as a run ends: none leaves before the
+    distributed.finish()                           # others (their peer watchdogs poll it)
   print(f"{ARGS.mode} done in {time.time() - t0:.1f}s", flush=True)
 
 

@@ -1,6 +1,7 @@
-"""AReaL's system (issue 25): the asynchronous loop, its config and bad input, the
-device split, versions per token under in-flight weight updates, the weight sync,
-and resume after kill -9."""
+"""AReaL's system (issues 25, 31): the one loop over its rollout sources, its config
+and bad input, the device split, versions per token under in-flight weight
+updates, the weight sync, and resume after kill -9 (the multi-process split:
+tests/test_async_processes.py)."""
 
 import os
 
@@ -10,11 +11,11 @@ import pytest
 
 import configs
 from fbos_jax import metrics as metrics_lib
-from fbos_jax.rl import async_rl
+from fbos_jax import sharding as sh
 from fbos_jax.rl import config as config_lib
-from fbos_jax.rl.async_trainer import AsyncRLTrainer
+from fbos_jax.rl import sources
+from fbos_jax.rl import split as split_lib
 from fbos_jax.rl.trainer import RLTrainer
-from fbos_jax.testing.small import assert_resume_matches_straight
 
 DROP = ("time/", "tokens/per_s", "async/", "staleness/")
 
@@ -23,15 +24,19 @@ def _drop(row):
   return {k: v for k, v in row.items() if not k.startswith(DROP)}
 
 
-def test_eta0_colocated_equals_the_synchronous_loop(tmp_path, small, one_device_mesh):
-  """rl.max_staleness=0, colocated: the worker thread, the buffer and the admission
-  rule give the synchronous trainer's params and metrics bit for bit."""
+def test_eta0_split_equals_the_synchronous_loop(tmp_path, small):
+  """rl.max_staleness=0 on a 4 / 4 split: the worker thread, the buffer, the
+  admission rule and the weight sync give the synchronous loop's params and
+  metrics bit for bit (the synchronous run on a mesh of the trainer's shape)."""
   spec = "configs/fbos.py:tiny"
   over = {"train.steps": 3, "data.verifier": "fbos_jax.testing.small:parity_reward"}
-  tr = RLTrainer(small(spec, **over), str(tmp_path / "sync"), mesh=one_device_mesh)
+  c = small(spec, **over)
+  tr = RLTrainer(c, str(tmp_path / "sync"), mesh=sh.make_mesh(c.mesh, jax.devices()[4:8]))
+  assert isinstance(tr.source, sources.InlineSource)
   s_sync, _ = tr.train()
   tr.close()
-  tr = AsyncRLTrainer(small(spec, **over), str(tmp_path / "async"), mesh=one_device_mesh)
+  tr = RLTrainer(small(spec, **over, **{"rl.rollout_devices": 4}), str(tmp_path / "async"))
+  assert isinstance(tr.source, sources.ThreadSource)
   s_async, hist = tr.train()
   tr.close()
   for x, y in zip(jax.tree.leaves(jax.device_get(s_sync)), jax.tree.leaves(jax.device_get(s_async))):
@@ -39,9 +44,34 @@ def test_eta0_colocated_equals_the_synchronous_loop(tmp_path, small, one_device_
   ra, rb = (metrics_lib.read_jsonl(os.path.join(tmp_path, d, "metrics.jsonl"))
             for d in ("sync", "async"))
   assert [_drop(r) for r in ra] == [_drop(r) for r in rb]
-  assert all(r["staleness/max"] == 0 and r["staleness/hist_0"] > 0 for r in rb)
+  assert all(r["staleness/max"] == 0 and r["staleness/hist_0"] > 0 for r in ra + rb)
   assert {"async/rollout_busy", "async/trainer_busy", "async/sync_s",
           "async/buffer_depth"} <= set(rb[-1])
+  steps = metrics_lib.read_jsonl(os.path.join(tmp_path, "async", "steps.jsonl"))
+  assert [(r["step"], r["batch"], r["admit_version"]) for r in steps] == [(1, 0, 0), (2, 1, 1),
+                                                                           (3, 2, 2)]
+
+
+def test_the_weight_sync_sends_the_compute_copy(tmp_path, small):
+  """A float32 master with model.compute_dtype=bfloat16 on a 4 / 4 split: what the
+  rollout samples with, and what every sync moves, is the bfloat16 compute copy
+  (half the master's bytes), made once per policy version."""
+  import jax.numpy as jnp
+  c = small("configs/fbos.py:tiny", **{"train.steps": 2, "rl.rollout_devices": 4,
+                                       "rl.max_staleness": 1, "model.compute_dtype": "bfloat16",
+                                       "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = RLTrainer(c, str(tmp_path))
+  published = []
+  state, _ = tr.train(on_step=lambda s, st, m: published.append(
+      {jnp.dtype(x.dtype).name for x in jax.tree.leaves(tr.source.store.current()[0])}))
+  tr.close()
+  master = jax.tree.leaves(jax.device_get(state.params))
+  assert {np.asarray(x).dtype.name for x in master} == {"float32"}
+  assert published == [{"bfloat16"}] * 2
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  half = sum(np.asarray(x).nbytes for x in master) // 2
+  assert [r["async/sync_bytes"] for r in rows] == [4 * half] * 2  # on the 4 rollout devices
+  assert tr.policy.copies == 3  # versions 0 (start), 1 and 2
 
 
 @pytest.mark.parametrize("eta", [1, 2])
@@ -52,9 +82,9 @@ def test_split_4_4_runs_with_bounded_staleness(tmp_path, small, eta):
   c = small("configs/fbos.py:tiny", **{"train.steps": 4, "rl.rollout_devices": 4,
                                        "rl.max_staleness": eta,
                                        "data.verifier": "fbos_jax.testing.small:parity_reward"})
-  tr = AsyncRLTrainer(c, str(tmp_path))
-  assert tr.mesh.size == 4 and tr.rollout_mesh.size == 4
-  assert not set(tr.mesh.devices.flat) & set(tr.rollout_mesh.devices.flat)
+  tr = RLTrainer(c, str(tmp_path))
+  assert tr.mesh.size == 4 and tr.source.rollout_mesh.size == 4
+  assert not set(tr.mesh.devices.flat) & set(tr.source.rollout_mesh.devices.flat)
   state, hist = tr.train()
   tr.close()
   assert int(state.step) == 4
@@ -89,22 +119,16 @@ def _tiny_model(seed):
 
 
 class _Source:
-  """Version 0 for the engine's first loop iteration, then version 1. Each call also
-  moves ``latest`` ahead, as an update landing while the window runs would: a
-  label read after the window (AReaL's PR #1569) would be that newer version."""
+  """Version 0 for the engine's first loop iterations, then version 1."""
 
   def __init__(self, versions, kv_mode, swap_after=2):
     self.versions, self.kv_mode, self.swap_after = versions, kv_mode, swap_after
-    self.calls, self.latest, self.rows = 0, 0, []
+    self.calls = 0
 
   def current(self):
     self.calls += 1
     v = 0 if self.calls <= self.swap_after else 1
-    self.latest = v + 1
     return self.versions[v], v
-
-  def record(self, row):
-    self.rows.append(row)
 
 
 def _sample_with_swap(mode):
@@ -120,9 +144,7 @@ def _sample_with_swap(mode):
   kw = dict(max_new_tokens=12, prompt_buckets=(12,), batch_buckets=(8,), temperature=0.8)
   out = E.sample(src, cfg, prompts, key=jax.random.PRNGKey(5), n_per_prompt=2,
                  engine_config=ecfg, stats=stats, **kw)
-  versions = np.full(out.tokens.shape, -1, np.int64)
-  for row in src.rows:
-    versions[row.tag * 2 + row.j, :row.tokens.size] = row.versions
+  versions = out.versions
   fn = jax.jit(sampling.teacher_forced_logprobs, static_argnums=1,
                static_argnames="temperature")
   tf = [np.asarray(fn(p, cfg, out.prompt_tokens, out.prompt_mask, out.tokens,
@@ -130,34 +152,48 @@ def _sample_with_swap(mode):
   return out, versions, tf, stats
 
 
-@pytest.mark.parametrize("mode", ["recompute", "keep_kv"])
-def test_version_labels_under_an_inflight_update(mode):
-  """A weight update lands between decode windows while rows are in flight: each
-  row goes on with the new weights from where it is, and every token is labelled
-  with the version that drew it. With ``recompute`` every token's log-prob is the
-  teacher-forced log-prob under the params of its label, so a wrong label (the
-  version at admission, or one read after the window as in AReaL's PR #1569)
-  fails; with ``keep_kv`` the tokens labelled 0 match version 0 exactly and the
-  ones labelled 1 do not."""
-  out, versions, (tf0, tf1), stats = _sample_with_swap(mode)
+def test_version_labels_under_an_inflight_update_recompute():
+  """A weight update lands between decode windows while rows are in flight; with
+  ``recompute`` each row's KV is redone under the new weights, and every token is
+  labelled with the version that drew it: its log-prob is the teacher-forced
+  log-prob under the params of its label, so a wrong label (the version at
+  admission, or one read after the window as in AReaL's PR #1569) fails."""
+  out, versions, (tf0, tf1), stats = _sample_with_swap("recompute")
   m = out.response_mask.astype(bool)
   assert (versions[m] >= 0).all() and (versions[~m] == -1).all()
-  assert stats.swaps == 1 and (stats.recomputed_tokens > 0) == (mode == "recompute")
+  assert stats.swaps == 1 and stats.recomputed_tokens > 0
   spans = [(versions[r][m[r]] == 0).any() and (versions[r][m[r]] == 1).any()
            for r in range(out.num_rows)]
   assert sum(spans) >= 2, "some rows must run under both versions"
   assert all((np.diff(versions[r][m[r]]) >= 0).all() for r in range(out.num_rows))
   v0, v1 = m & (versions == 0), m & (versions == 1)
   np.testing.assert_allclose(out.logprobs[v0], tf0[v0], atol=1e-4)
-  if mode == "recompute":
-    np.testing.assert_allclose(out.logprobs[v1], tf1[v1], atol=1e-4)
-    # the labels decide: version 0 does not explain the version-1 tokens
-    assert np.abs(out.logprobs[v1] - tf0[v1]).max() > 1e-2
-    admitted = np.where(m, versions[:, :1], -1)  # every token labelled like its first one
-    wrong = m & (admitted != versions)
-    assert wrong.any() and np.abs(out.logprobs - np.where(admitted == 0, tf0, tf1))[wrong].max() > 1e-2
-  else:
-    assert np.abs(out.logprobs[v1] - tf0[v1]).max() > 1e-2
+  np.testing.assert_allclose(out.logprobs[v1], tf1[v1], atol=1e-4)
+  # the labels decide: version 0 does not explain the version-1 tokens
+  assert np.abs(out.logprobs[v1] - tf0[v1]).max() > 1e-2
+  admitted = np.where(m, versions[:, :1], -1)  # every token labelled like its first one
+  wrong = m & (admitted != versions)
+  assert wrong.any() and np.abs(out.logprobs - np.where(admitted == 0, tf0, tf1))[wrong].max() > 1e-2
+
+
+def test_keep_kv_labels_each_row_with_the_oldest_version_of_its_kv():
+  """``keep_kv``: a row in flight goes on under version 1 with the KV version 0
+  wrote, so its tokens are not version 1's (nor version 0's) and every token is
+  labelled with its row's oldest version (the eta check reads the true lag): the
+  labels are constant per row, the rows admitted before the swap are labelled 0
+  although part of their tokens were drawn by version 1's weights."""
+  out, versions, (tf0, tf1), stats = _sample_with_swap("keep_kv")
+  rec, rversions, _, _ = _sample_with_swap("recompute")
+  m = out.response_mask.astype(bool)
+  assert stats.swaps == 1 and stats.recomputed_tokens == 0
+  assert (versions[m] >= 0).all() and (versions[~m] == -1).all()
+  for r in range(out.num_rows):
+    assert len(set(versions[r][m[r]].tolist())) == 1, "one label per row: its KV's oldest"
+  drawn_by_1 = m & (rversions == 1) & (versions == 0)  # same schedule: where version 1 drew
+  assert drawn_by_1.any(), "rows admitted under version 0 ran on under version 1"
+  v0 = m & (versions == 0) & (rversions == 0)
+  np.testing.assert_allclose(out.logprobs[v0], tf0[v0], atol=1e-4)
+  assert np.abs(out.logprobs[drawn_by_1] - tf0[drawn_by_1]).max() > 1e-2
 
 
 def test_the_decoupled_loss_reads_the_per_token_behaviour_logprobs():
@@ -222,10 +258,8 @@ def test_async_fields_become_a_typed_part():
   assert a == config_lib.AsyncConfig(4, 2, 0, "recompute", 8 * 2 ** 20) and a.enabled
   assert a.buffer_batches(8) == 3  # (eta + 1) batches by default
   assert not config_lib.build_parts(configs.load("configs/fbos.py:tiny")).asynchronous.enabled
-  stale = configs.load("configs/grpo.py:tiny,decoupled", {"rl.staleness": 1,
-                                                          "rl.max_staleness": 1})
-  with pytest.raises(ValueError, match=r"rl\.staleness=1 .* two ways to sample stale"):
-    config_lib.validate(stale, 1, process_count=1)
+  with pytest.raises(KeyError, match=r"rl\.staleness' does not exist"):  # one way: eta
+    configs.load("configs/grpo.py:tiny,decoupled", {"rl.staleness": 1})
 
 
 def test_admission_rule_is_areals():
@@ -234,7 +268,7 @@ def test_admission_rule_is_areals():
   for eta in (0, 1, 2):
     for k in range(6):
       for v in range(6):
-        assert async_rl.admitted(k, v, 8, eta) == (k <= v + eta)
+        assert sources.admitted(k, v, 8, eta) == (k <= v + eta)
   # the rule on groups: the 17th group requested (N_r = 17, B = 8) needs i + eta >= 2
   assert ((17 - 1) // 8 <= 1 + 1) and not ((17 - 1) // 8 <= 0 + 1)
 
@@ -247,26 +281,44 @@ class _Dev:
     return f"d{self.id}"
 
 
-def test_split_per_process_and_bad_splits():
-  """2 processes x 4 devices split 4 / 4: each process gives 2 devices to each side
-  (every process holds part of both meshes). Splits that do not divide the
-  devices, the processes, the mesh or the sync are refused, named, with numbers."""
-  devs = [_Dev(i, i // 4) for i in range(8)]
-  mesh = {"dcn": 1, "data": -1, "fsdp": 1, "tensor": 1}
-  trainer, rollout = async_rl.split_devices(devs, 4, mesh)
-  assert [d.id for d in rollout] == [0, 1, 4, 5] and [d.id for d in trainer] == [2, 3, 6, 7]
-  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=8: .* 0 < N < 8"):
-    async_rl.split_devices(devs, 8, mesh)
-  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=3 does not divide "
-                                                      r"over the 2 processes"):
-    async_rl.split_devices(devs, 3, mesh)
-  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=2 leaves the "
-                                                      r"rollout mesh 2 of 8 devices"):
-    async_rl.split_devices(devs, 2, {"dcn": 1, "data": -1, "fsdp": 1, "tensor": 4})
+def test_split_in_one_process_and_bad_splits():
+  """One process: the rollout takes the first N devices. Splits that leave a side
+  nothing, do not fit the mesh or cannot be synced shard by shard are refused,
+  named, with the numbers."""
   one = [_Dev(i, 0) for i in range(8)]
-  with pytest.raises(async_rl.AsyncConfigError, match=r"rl\.rollout_devices=3: the weight sync "
-                                                      r".*rollout 3, trainer 5"):
-    async_rl.split_devices(one, 3, mesh)
+  mesh = {"dcn": 1, "data": -1, "fsdp": 1, "tensor": 1}
+  trainer, rollout = split_lib.split_devices(one, 4, mesh)
+  assert [d.id for d in rollout] == [0, 1, 2, 3] and [d.id for d in trainer] == [4, 5, 6, 7]
+  with pytest.raises(split_lib.AsyncConfigError, match=r"rl\.rollout_devices=8: .* 0 < N < 8"):
+    split_lib.split_devices(one, 8, mesh)
+  with pytest.raises(split_lib.AsyncConfigError, match=r"rl\.rollout_devices=2 leaves the "
+                                                       r"rollout mesh 2 of 8 devices"):
+    split_lib.split_devices(one, 2, {"dcn": 1, "data": -1, "fsdp": 1, "tensor": 4})
+  with pytest.raises(split_lib.AsyncConfigError, match=r"rl\.rollout_devices=3: the weight "
+                                                       r"sync .*rollout 3, trainer 5"):
+    split_lib.split_devices(one, 3, mesh)
+
+
+def test_split_over_processes_gives_each_side_whole_processes():
+  """2 processes x 4 devices: rl.rollout_devices=4 makes process 0 the trainer and
+  process 1 the rollout; a split that cuts a process in two, or eta > 0 without a
+  split, is refused naming the fields and the counts."""
+  devs = [_Dev(i, i // 4) for i in range(8)]
+  c = configs.load("configs/fbos.py:tiny", {"rl.rollout_devices": 4, "rl.max_staleness": 1})
+  trainer, rollout = split_lib.process_sides(c, devs)
+  assert trainer.processes == (0,) and rollout.processes == (1,)
+  c.rl.rollout_devices = 2
+  with pytest.raises(split_lib.AsyncConfigError,
+                     match=r"rl\.rollout_devices=2 with 2 processes of 4 devices: .* whole "
+                           r"processes.* must be 4"):
+    split_lib.process_sides(c, devs)
+  c.rl.rollout_devices = 0
+  with pytest.raises(split_lib.AsyncConfigError,
+                     match=r"rl\.max_staleness=1 with 2 processes needs rl\.rollout_devices"):
+    split_lib.process_sides(c, devs)
+  c.rl.max_staleness = 0
+  assert split_lib.process_sides(c, devs) is None  # the synchronous loop on every process
+  assert split_lib.process_sides(c, devs[:4]) is None  # one process
 
 
 def test_the_rollout_mesh_has_its_own_axes():
@@ -274,17 +326,16 @@ def test_the_rollout_mesh_has_its_own_axes():
   devices split 4 / 4 with rollout tensor=2 give a rollout mesh of 2 data x 2
   tensor and a trainer mesh of 4 data; a split the rollout axes do not fit, an
   unknown axis and a bad size are refused by field."""
-  from fbos_jax.rl import async_trainer
   c = configs.load("configs/fbos.py:tiny", {"rl.rollout_devices": 4, "rl.max_staleness": 1,
                                             "rl.rollout_mesh.tensor": 2})
-  trainer, rollout, colocated = async_trainer.build_meshes(c, jax.devices()[:8])
+  trainer, rollout, colocated = split_lib.build_meshes(c, jax.devices()[:8])
   assert not colocated
   assert dict(rollout.shape) == {"dcn": 1, "data": 2, "fsdp": 1, "tensor": 2}
   assert dict(trainer.shape) == {"dcn": 1, "data": 4, "fsdp": 1, "tensor": 1}
   assert c.mesh.tensor == 1  # the run's own mesh config is untouched
   c.rl.rollout_mesh.tensor = 3
-  with pytest.raises(async_rl.AsyncConfigError, match=r"leaves the rollout mesh 4 of 8"):
-    async_trainer.build_meshes(c, jax.devices()[:8])
+  with pytest.raises(split_lib.AsyncConfigError, match=r"leaves the rollout mesh 4 of 8"):
+    split_lib.build_meshes(c, jax.devices()[:8])
   c.rl.rollout_mesh.tensor = -2
   with pytest.raises(ValueError, match=r"rl\.rollout_mesh\.tensor=-2"):
     config_lib.build_parts(c, eos_id=1)
@@ -296,20 +347,20 @@ def test_the_rollout_mesh_has_its_own_axes():
 def test_a_split_without_room_for_the_params_is_refused_with_the_numbers():
   """qwen_8b on 32 v5p-sized devices (abstract meshes, FSDP only): 16 / 16 fits its
   params, optimizer state and gradients; 31 / 1 leaves the trainer 1 device that
-  cannot: 8.19e9 params x (4 + 4 + 4 + 4) bytes (f32 master, Adam's two moments,
-  f32 gradients) = 122.05 GiB."""
+  cannot: 8.19e9 params x (4 + 4 + 4 + 4) bytes (the float32 master, Adam's two
+  float32 moments, float32 gradients) = 122.05 GiB."""
   from fbos_jax import sharding as sh
   c = configs.load("configs/fbos.py:qwen_8b", {"mesh.tensor": 1})
   parts = config_lib.build_parts(c, eos_id=1)
   rules = sh.rules_dict(c.mesh.rules)
   hbm = int(95.74 * 2 ** 30)
-  need = async_rl.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 16),
+  need = split_lib.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 16),
                                    sh.make_abstract_mesh(c.mesh, 16), rules, hbm)
   assert need["trainer"] > need["rollout"] > 0
-  with pytest.raises(async_rl.AsyncConfigError,
+  with pytest.raises(split_lib.AsyncConfigError,
                      match=r"rl\.rollout_devices=31 leaves the trainer mesh 1 devices, each of "
-                           r"which would need 122\.\d\d GiB .* more than 90% of its 95\.74 GiB"):
-    async_rl.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 1),
+                           r"which would need 122\.05 GiB .* more than 90% of its 95\.74 GiB"):
+    split_lib.check_split_fits(parts, sh.make_abstract_mesh(c.mesh, 1),
                               sh.make_abstract_mesh(c.mesh, 31), rules, hbm)
 
 
@@ -323,7 +374,6 @@ def test_kill_between_checkpoints_loses_and_repeats_no_prompt(tmp_path, small):
   steps 1-6 train exactly the prompts of batches 0-5, each once."""
   import subprocess
   import sys
-  from fbos_jax.rl.trainer import RLTrainer
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, PYTHONPATH=root)
   cmd = [sys.executable, "-u", os.path.join(root, "tests", "async_kill_worker.py"),
@@ -334,8 +384,9 @@ def test_kill_between_checkpoints_loses_and_repeats_no_prompt(tmp_path, small):
   second = subprocess.run(cmd + ["-1"], env=env, cwd=root, capture_output=True, text=True,
                           timeout=500)
   assert second.returncode == 0 and "done" in second.stdout, second.stderr[-3000:]
-  log = metrics_lib.read_jsonl(os.path.join(tmp_path, "async_steps.jsonl"))
-  assert [r["step"] for r in log] == [1, 2, 3, 3, 4, 5, 6]  # step 3 trained again
+  log = metrics_lib.read_jsonl(os.path.join(tmp_path, "steps.jsonl"))
+  # step 3 was trained again after the restart: its first line is gone (issue 34)
+  assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
   last = {r["step"]: r for r in log}
   assert [last[s]["batch"] for s in range(1, 7)] == list(range(6))
   c = small("configs/fbos.py:tiny")  # the data order: the same seed and prompts per step
@@ -385,16 +436,6 @@ def test_weight_sync_copies_shard_by_shard_in_chunks(n_src, n_dst, src_mesh, dst
   assert total == n_dst * (32 + 96) + 24 * 16 * 4 * n_dst // dm.shape["tensor"]
 
 
-def test_several_processes_are_refused_by_name(tmp_path, small, monkeypatch):
-  """The loop's two threads would both call host collectives over every device:
-  refused, naming the fields, before anything is built."""
-  monkeypatch.setattr(jax, "process_count", lambda: 2)
-  c = small("configs/fbos.py:tiny", **{"rl.rollout_devices": 4, "rl.max_staleness": 1})
-  with pytest.raises(async_rl.AsyncConfigError,
-                     match=r"rl\.rollout_devices=4, rl\.max_staleness=1: .* one process"):
-    AsyncRLTrainer(c, str(tmp_path))
-
-
 def test_split_with_the_continuous_engine_and_recompute(tmp_path, small):
   """The continuous engine on the rollout mesh, eta = 1, ``recompute``: the worker's
   rounds take weight updates between decode windows; every trained token has a
@@ -404,7 +445,7 @@ def test_split_with_the_continuous_engine_and_recompute(tmp_path, small):
       "rl.inflight_update": "recompute", "sampling.engine": "continuous",
       "engine.slots": 8, "engine.window": 2, "engine.page_size": 8,
       "data.verifier": "fbos_jax.testing.small:parity_reward"})
-  tr = AsyncRLTrainer(c, str(tmp_path))
+  tr = RLTrainer(c, str(tmp_path))
   state, _ = tr.train()
   tr.close()
   rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
@@ -413,11 +454,38 @@ def test_split_with_the_continuous_engine_and_recompute(tmp_path, small):
   assert all(r["rollout/windows"] > 0 for r in rows)
 
 
-def test_resume_at_eta0_is_exact(tmp_path, small, one_device_mesh):
-  """eta = 0 (colocated): 4 steps straight against 2 steps, a fresh trainer, 2 more:
-  the same state and metrics (the checkpoint's iterator state is the trained one's)."""
-  over = {"train.steps": 4, "data.verifier": "fbos_jax.testing.small:parity_reward"}
-  spec = "configs/fbos.py:tiny"
-  assert_resume_matches_straight(
-      lambda wd: AsyncRLTrainer(small(spec, **over), wd, mesh=one_device_mesh), str(tmp_path),
-      drop_prefixes=DROP)
+def test_streamed_rounds_with_the_engine_in_the_asynchronous_loop(tmp_path, small):
+  """Issue 34: rl.stream_rounds=True with the continuous engine on the rollout
+  thread, eta = 1, keep_kv: the streamed path carries every token's version, so
+  the step trains (it used to stop with "row 0 ... never recorded")."""
+  c = small("configs/fbos.py:tiny", **{
+      "train.steps": 2, "rl.rollout_devices": 4, "rl.max_staleness": 1,
+      "sampling.engine": "continuous", "rl.stream_rounds": True,
+      "engine.slots": 8, "engine.window": 2, "engine.page_size": 8,
+      "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = RLTrainer(c, str(tmp_path))
+  state, _ = tr.train()
+  tr.close()
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert int(state.step) == 2 and max(r["staleness/max"] for r in rows) <= 1
+  assert all(r["round2/rollouts"] > 0 and r["rollout/windows"] > 0 for r in rows)
+
+
+def test_the_engine_admits_the_next_steps_prompts_before_a_step_drains(tmp_path, small):
+  """The continuous engine on the rollout thread, eta = 1: one engine run for the
+  whole loop, step k + 1's prompts admitted while step k still decodes (AReaL's
+  streaming: generation never drains between steps), slot utilisation over the
+  run reported, every trained token within eta."""
+  c = small("configs/fbos.py:tiny", **{
+      "train.steps": 4, "rl.rollout_devices": 4, "rl.max_staleness": 1,
+      "sampling.engine": "continuous", "engine.slots": 8, "engine.window": 2,
+      "engine.page_size": 8, "data.verifier": "fbos_jax.testing.small:parity_reward"})
+  tr = RLTrainer(c, str(tmp_path))
+  state, _ = tr.train()
+  tr.close()
+  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert int(state.step) == 4 and max(r["staleness/max"] for r in rows) <= 1
+  assert any(r["rollout/steps_beside"] > 0 for r in rows)  # admitted beside a step in flight
+  assert all(0 < r["rollout/slot_util"] <= 1 for r in rows)
+  windows = [r["rollout/windows"] for r in rows]
+  assert windows == sorted(windows) and windows[0] > 0  # one engine run: counts over the run

@@ -22,6 +22,7 @@ from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import config as C
 from fbos_jax.rl import fap_budget
 from fbos_jax.rl import rollout as R
+from fbos_jax.rl import rounds
 from fbos_jax.rl.trainer import RLTrainer
 from fbos_jax.testing import toy
 from fbos_jax.verifiers import procedural
@@ -176,10 +177,10 @@ def test_epa_offpolicy_rows_carry_q_round2_tokens_and_round2_logps(tmp_path, sma
   ctx, params = tr.ctx, tr.init_state().params
   examples = next(tr.train_iter)
   k1, k2 = jax.random.split(jax.random.key(3))
-  r1 = R.round1(ctx, params, examples, k1)
-  R.verify(ctx, r1, examples)
-  r2 = R.round2(ctx, params, examples, r1, k2)
-  R.verify(ctx, r2, examples)
+  r1 = rounds.round1(ctx, params, examples, k1)
+  rounds.verify(ctx, r1, examples)
+  r2 = rounds.round2(ctx, params, examples, r1, k2)
+  rounds.verify(ctx, r2, examples)
   rows, m = R.epa_rows(ctx, examples, r1, r2)
   q = [ctx.prompt_ids(ex) for ex in examples]
   off = np.flatnonzero(rows.offpolicy)
@@ -201,7 +202,7 @@ def test_epa_offpolicy_rows_carry_q_round2_tokens_and_round2_logps(tmp_path, sma
       assert fap != q[p] and len(fap) > len(q[p])  # it was sampled under its FAP ...
   assert mm == c.rl.round2_size and n == c.rl.group_size
   # ... and the padded batch keeps all of it: [left-padded q | round-2 tokens], round-2 logp
-  batch = R.pad_batches(ctx, {"epa": rows})["epa"]
+  batch = R.pad_batches(ctx, {"epa": rows})[0]["epa"]
   plen = batch.prompt_len
   for k in off:
     toks = np.asarray(batch.tokens[k])
@@ -222,8 +223,8 @@ def _rollouts(rewards, source=None, truncated=None):
   rewards = np.asarray(rewards, np.float32)
   p, n = rewards.shape
   z = np.zeros((p, n, 2), np.int32)
-  return R.Rollouts(contexts=[[[]] * n] * p, tokens=z, mask=z, logp=z.astype(np.float32),
-                    lengths=np.ones((p, n), np.int32), valid=np.ones((p, n), bool),
+  return rounds.Rollouts(contexts=[[[]] * n] * p, tokens=z, mask=z, logp=z.astype(np.float32),
+                    versions=z.astype(np.int64), lengths=np.ones((p, n), np.int32), valid=np.ones((p, n), bool),
                     source=np.full((p, n), -1) if source is None else np.asarray(source),
                     texts=[[""] * n] * p, rewards=rewards, feedback=[[""] * n] * p,
                     is_error=np.zeros((p, n), bool),
@@ -236,8 +237,8 @@ def test_fix_rate_per_round1_success_bucket():
   src = np.asarray([[0, 1, 2, 3], [2, 3, 4, 5], [5, 6, 7, 5]])
   r2 = _rollouts([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]], source=src,
                  truncated=[[True, False, False, False]] + [[False] * 4] * 2)
-  m = R.round2_metrics(r1, r2, 1.0)
-  assert [b[0] for b in R.success_buckets(8)] == ["0", "1to3", "4plus"]
+  m = rounds.round2_metrics(r1, r2, 1.0)
+  assert [b[0] for b in rounds.success_buckets(8)] == ["0", "1to3", "4plus"]
   assert m["feedback/fix_rate_r1succ_0"] == 0.25
   assert m["feedback/fix_rate_r1succ_1to3"] == 0.5
   assert m["feedback/fix_rate_r1succ_4plus"] == 0.75
@@ -245,7 +246,7 @@ def test_fix_rate_per_round1_success_bucket():
   assert m["feedback/fix_rate"] == 6 / 12 and m["feedback/fix_rows"] == 12
   assert m["feedback/resample_rate"] == pytest.approx((0 + 4 * 2 / 8 + 4 * 5 / 8) / 12)
   assert m["fap/truncated_frac"] == 1 / 12
-  assert R._round1_metrics(r1, 1.0)["groups/all_fail_frac"] == 1 / 3
+  assert rounds.round1_metrics(r1, 1.0)["groups/all_fail_frac"] == 1 / 3
 
 
 # ----------------------------------------------------------------------------- the FAP budget

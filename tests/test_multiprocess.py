@@ -25,7 +25,6 @@ import collections
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ import warnings
 import jax
 import numpy as np
 import pytest
+
+from fbos_jax.testing.small import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "mp_worker.py")
@@ -44,12 +45,6 @@ COMPARED = ("loss/epa", "loss/ecc", "policy/loss", "policy/grad_norm", "policy/e
             "policy/epa_tokens", "policy/ecc_tokens", "reward/round1", "reward/round1_solved",
             "groups/all_equal_frac", "response/length", "tokens/generated", "rollouts/generated",
             "round2/rollouts", "epa/injected")
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def launch(args, log_path):

@@ -410,7 +410,7 @@ def test_async_model_uses_the_runs_sampler():
     assert m["engine"] == engine and m["trainer_devices"] == 16
     assert a["step_s"] == max(a["rollout_s"], a["train_s"] + a["sync_s"])
     assert s["step_s"] == s["rollout_s"] + s["train_s"]
-    assert 0 < a["sync_s"] < 1.0  # device to device over ICI: milliseconds
+    assert 0 < a["sync_s"] < 1.0  # paired hosts, over their network: a fraction of a second
   assert out["continuous"]["sync_step"]["rollout_s"] < 0.5 * out["static"]["sync_step"]["rollout_s"]
   assert out["continuous"]["sync_step"]["train_s"] == out["static"]["sync_step"]["train_s"]
 

@@ -9,7 +9,7 @@ import pytest
 
 from fbos_jax import sampling
 from fbos_jax.rl import probe
-from fbos_jax.rl import rollout
+from fbos_jax.rl import rounds
 from fbos_jax.rl.trainer import RLTrainer
 from fbos_jax.testing.small import one_device_mesh, small_config as small
 
@@ -33,8 +33,8 @@ def test_the_controls_are_computed_on_the_same_rollouts(trainer, monkeypatch):
   params = tr.init_state().params  # a random model: almost every rollout fails
   examples = next(tr.train_iter)
   calls = []
-  real_round1 = rollout.round1
-  monkeypatch.setattr(rollout, "round1",
+  real_round1 = rounds.round1
+  monkeypatch.setattr(rounds, "round1",
                       lambda *a, **k: calls.append(1) or real_round1(*a, **k))
   r1, pr = probe.probe_rows(ctx, params, examples, jax.random.key(3))
   assert calls == [1]  # one round 1: every kind is built on its rollouts

@@ -98,7 +98,7 @@ def test_skipped_steps_are_steps(tmp_path, monkeypatch):
     ("rl.dual_clip", 0.5, "rl.dual_clip=0.5"),
     ("verifier.backend", "fork", "verifier.backend='fork'"),
     ("verifier.reward_range", (1.0, 0.0), "verifier.reward_range"),
-    ("rl.staleness", 2, "rl.staleness=2"),  # stale rollouts without the decoupled loss
+    ("rl.max_staleness", -1, "rl.max_staleness=-1"),
 ])
 def test_meaningless_config_is_refused_naming_the_field(field, value, message):
   c = load("configs/fbos.py:tiny")
@@ -136,25 +136,26 @@ def test_bad_config_fails_before_the_warm_start(tmp_path):
 
 def test_error_verdicts_leave_groups_and_never_become_feedback(tmp_path):
   from fbos_jax.rl import rollout as R
+  from fbos_jax.rl import rounds
   c = small("configs/fbos.py:tiny")
   c.data.verifier = f"{VERIFIERS}:every_other_error"
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
   state = tr.init_state()
   examples = next(tr.train_iter)
-  r1 = R.round1(tr.ctx, state.params, examples, jax.random.key(0))
-  stats = R.verify(tr.ctx, r1, examples)
+  r1 = rounds.round1(tr.ctx, state.params, examples, jax.random.key(0))
+  stats = rounds.verify(tr.ctx, r1, examples)
   assert r1.is_error.any() and stats["verifier/errors"] == r1.is_error.sum()
   for p, i in zip(*np.nonzero(r1.is_error)):
     assert r1.feedback[p][i] == ""  # the error text is not feedback
-  r2 = R.round2(tr.ctx, state.params, examples, r1, jax.random.key(1))
+  r2 = rounds.round2(tr.ctx, state.params, examples, r1, jax.random.key(1))
   # no FAP was built from an error row
   assert not r1.is_error[np.arange(len(examples))[:, None].repeat(r2.shape[1], 1)[r2.valid],
                          r2.source[r2.valid]].any()
-  R.verify(tr.ctx, r2, examples)
+  rounds.verify(tr.ctx, r2, examples)
   rows, _ = R.epa_rows(tr.ctx, examples, r1, r2)
   on_policy = int((~rows.offpolicy).sum())
   assert on_policy == int(r1.ok.sum())  # error rows are not in the EPA batch
-  _, m, _ = R.rollout_step(tr.ctx, state.params, examples, jax.random.key(2))
+  m = R.rollout_step(tr.ctx, state.params, examples, jax.random.key(2)).metrics
   assert m["verifier/errors"] == m["verifier/errors_round1"] + m["verifier/errors_round2"] > 0
   tr.close()
 
@@ -183,7 +184,7 @@ def test_resume_with_changed_group_size_is_refused(tmp_path):
 
 def test_over_long_prompt_names_the_record(tmp_path):
   from fbos_jax import buckets
-  from fbos_jax.rl import rollout as R
+  from fbos_jax.rl import rounds
   c = small("configs/grpo.py:tiny")
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh())
   examples = next(tr.train_iter)
@@ -193,7 +194,7 @@ def test_over_long_prompt_names_the_record(tmp_path):
     examples[1] = dict(examples[1], prompt="9" * chars, id="long-one")
     with pytest.raises(buckets.BucketError, match=rf"(?s)id 'long-one'.*{field}"
                        r".*data.max_prompt_tokens"):
-      R.round1(tr.ctx, tr.init_state().params, examples, jax.random.key(0))
+      rounds.round1(tr.ctx, tr.init_state().params, examples, jax.random.key(0))
   tr.close()
 
 

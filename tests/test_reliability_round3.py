@@ -268,7 +268,7 @@ def test_eval_and_export_fall_back_to_the_newest_readable_checkpoint(tmp_path, c
   import logging
   import jax
   import numpy as np
-  from fbos_jax.rl.run import restore_params
+  from fbos_jax.rl.state import restore_params
   c, params = _two_checkpoints(tmp_path)
   _tear(tmp_path, 2)
   with caplog.at_level(logging.WARNING):
@@ -283,7 +283,7 @@ def test_eval_and_export_fall_back_to_the_newest_readable_checkpoint(tmp_path, c
 
 def test_an_unreadable_step_names_itself_and_the_steps_there(tmp_path):
   from fbos_jax import checkpoint as ckpt_lib
-  from fbos_jax.rl.run import restore_params
+  from fbos_jax.rl.state import restore_params
   c, _ = _two_checkpoints(tmp_path)
   _tear(tmp_path, 2)
   with pytest.raises(ckpt_lib.CheckpointRestoreError) as e:
@@ -308,7 +308,7 @@ _SMALL_FLAGS = {"model.num_layers": 1, "model.hidden_size": 64, "model.intermedi
 def test_eval_and_export_warn_when_the_task_differs_from_the_checkpoints(tmp_path, caplog):
   """Before: tiny_chain's config on a sort checkpoint evaluated without a word."""
   import logging
-  from fbos_jax.rl.run import restore_params
+  from fbos_jax.rl.state import restore_params
   _two_checkpoints(tmp_path)
   other = small_config("configs/fbos.py:tiny", **{"data.task": "sort"})
   with caplog.at_level(logging.WARNING):

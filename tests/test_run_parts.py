@@ -17,7 +17,7 @@ from fbos_jax.rl import rollout as R
 from fbos_jax.rl import shapes
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl import update as update_lib
-from fbos_jax.rl.run import restore_params
+from fbos_jax.rl.state import restore_params
 from fbos_jax.rl.trainer import RLTrainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,8 +66,8 @@ def test_the_step_pads_to_the_shape_model(tmp_path, small, one_device_mesh, monk
     return real(cfg, scfg, batch=batch, prompt_len=prompt_len, n_per_prompt=n_per_prompt, **kw)
 
   monkeypatch.setattr(sampling, "get_generate_fn", recording)
-  batches, _, _ = R.rollout_step(tr.ctx, state.params, next(tr.train_iter),
-                                 state_lib.stream_key(state.rng, "sample", 0))
+  batches = R.rollout_step(tr.ctx, state.params, next(tr.train_iter),
+                           state_lib.stream_key(state.rng, "sample", 0)).batches
   want = shapes.update_shapes(tr.parts, batch_shards=1)
   assert set(batches) == set(want) == {"epa", "ecc"}
   for name, b in batches.items():
@@ -118,14 +118,14 @@ def test_no_randomness_outside_the_state_streams():
 
 
 def test_params_only_restore_and_the_layout_check(tmp_path, small, one_device_mesh):
-  """Eval/export read only the params (a changed rl.staleness does not matter to
-  them); a model change names the field and both values; a resume whose state
+  """Eval/export read only the params (a changed rl.kl_beta, which adds the KL
+  reference to the state, does not matter to them); a model change names the field and both values; a resume whose state
   layout changed names the layout field and both values."""
   c = small("configs/grpo.py:tiny,decoupled")
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh)
   state, _ = tr.train()
   tr.close()
-  stale = small("configs/grpo.py:tiny,decoupled", **{"rl.staleness": 2})
+  stale = small("configs/grpo.py:tiny,decoupled", **{"rl.kl_beta": 0.1})
   params, step = restore_params(stale, str(tmp_path), mesh=one_device_mesh)
   assert step == 2
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)):
@@ -136,7 +136,7 @@ def test_params_only_restore_and_the_layout_check(tmp_path, small, one_device_me
     restore_params(bigger, str(tmp_path), mesh=one_device_mesh)
   tr = RLTrainer(stale, str(tmp_path), mesh=one_device_mesh)
   with pytest.raises(ckpt_lib.CheckpointMismatchError,
-                     match=r"rl\.staleness: checkpoint=0 config=2"):
+                     match=r"rl\.kl_beta > 0: checkpoint=False config=True"):
     tr.maybe_restore(tr.init_state())
   tr.close()
 

@@ -30,8 +30,8 @@ class _SyncExecutor:
 
 
 def _step(tr, state, examples, key):
-  batches, m, _ = R.rollout_step(tr.ctx, state.params, examples, key)
-  return jax.tree.map(np.asarray, batches), m
+  traj = R.rollout_step(tr.ctx, state.params, examples, key)
+  return jax.tree.map(np.asarray, traj.batches), traj.metrics
 
 
 @pytest.mark.parametrize("spec", ["configs/fbos.py:tiny", "configs/golf.py:tiny"])

@@ -52,8 +52,8 @@ def test_default_task_runs(tmp_path, small, one_device_mesh):
   assert levels == {f"eval/accuracy_d{ex['difficulty']}" for ex in evals}
 
 
-def test_decoupled_and_staleness_run(tmp_path, small, one_device_mesh):
-  c = small("configs/grpo.py:tiny,decoupled", **{"rl.staleness": 1})
+def test_decoupled_run(tmp_path, small, one_device_mesh):
+  c = small("configs/grpo.py:tiny,decoupled")
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh)
   state, _ = tr.train()
   tr.close()
@@ -83,7 +83,8 @@ def test_resume_is_exact(tmp_path, small, one_device_mesh):
     np.testing.assert_array_equal(x, y)
   ra = metrics_lib.read_jsonl(os.path.join(a, "metrics.jsonl"))
   rb = metrics_lib.read_jsonl(os.path.join(b, "metrics.jsonl"))
-  drop = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "tokens/per_s"))}
+  drop = lambda r: {k: v for k, v in r.items()
+                    if not k.startswith(("time/", "tokens/per_s", "async/"))}
   assert [drop(r) for r in ra] == [drop(r) for r in rb]
 
 
@@ -103,23 +104,12 @@ def test_update_compiles_once(tmp_path, small, one_device_mesh):
 
 def _resume_matches_straight(tmp_path, small, mesh, spec, **over):
   """4 steps straight vs 2 steps + a fresh trainer resuming for 2 more: identical
-  params, GFPO history and stale-params history, and identical metrics."""
+  params, GFPO history and identical metrics."""
   over = {"train.steps": 4, "data.verifier": "fbos_jax.testing.small:length_reward", **over}
   s_straight, s_resumed = assert_resume_matches_straight(
-      lambda wd: RLTrainer(small(spec, **over), wd, mesh=mesh), str(tmp_path),
-      drop_prefixes=("time/", "tokens/per_s"))
+      lambda wd: RLTrainer(small(spec, **over), wd, mesh=mesh), str(tmp_path))
   assert int(s_resumed.step) == int(s_straight.step) == 4
   return s_straight
-
-
-def test_resume_is_exact_with_stale_rollouts(tmp_path, small, one_device_mesh):
-  """rl.staleness > 0: the params that sampled each step are part of the state."""
-  s = _resume_matches_straight(tmp_path, small, one_device_mesh, "configs/grpo.py:tiny,decoupled",
-                               **{"rl.staleness": 2})
-  assert len(s.param_history) == 2
-  # the params moved, and the history holds older params, not the current ones
-  assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
-             zip(jax.tree.leaves(s.param_history[-1]), jax.tree.leaves(s.params)))
 
 
 def test_resume_is_exact_with_adaptive_gfpo(tmp_path, small, one_device_mesh):

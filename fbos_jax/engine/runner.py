@@ -34,17 +34,21 @@ step. The loop ends when every process's feed is finished and no process has a
 row; while some feed is open and nothing is runnable anywhere, all wait
 (``verify_wait_s``).
 
-In-flight weight updates (``fbos_jax/rl/async_rl.py``): ``params`` may be a
+In-flight weight updates (``fbos_jax/rl/sources.py``): ``params`` may be a
 :class:`~fbos_jax.engine.types.ParamsSource` instead of a param pytree. Its
 ``current()`` -> (params, version) is read once per loop iteration, before
-admission: a window runs with the params read then, and every token it draws
-is labelled with that version (read once, used for the window and for its
-labels; AReaL's PR #1569 read it twice). When the version changes, rows in
-flight go on from where they are with the new params: their KV cache is kept
-(``source.kv_mode == "keep_kv"``, PipelineRL) or recomputed under the new
-params before the next window (``"recompute"``, AReaL: a prefill of each row's
-prompt and tokens so far into its own pages). :meth:`Engine.sample` hands each
-finished row, with its ``versions`` [L], to ``source.record``. One process only.
+admission (read once, used for the window and for its labels; AReaL's PR #1569
+read it twice); with several processes every process reads it at the same
+iteration, and the source makes them agree on the version. When the version
+changes, rows in flight go on from where they are with the new params: their
+KV cache is kept (``source.kv_mode == "keep_kv"``, PipelineRL) or recomputed
+under the new params before the next window (``"recompute"``, AReaL: a prefill
+of each row's prompt and tokens so far into its own pages). Every token is
+labelled with the oldest version whose weights wrote the KV it attended to:
+under ``recompute`` the window's version; under ``keep_kv`` the version that
+prefilled the row (its KV stays), so the staleness check reads the true lag.
+Finished rows carry their ``versions`` [L] (:meth:`Engine.sample`: in
+``SampleOutput.versions``).
 """
 
 from __future__ import annotations
@@ -107,14 +111,15 @@ def _raw_key(key) -> np.ndarray:
 class _Row:
   """One sample being decoded (host state)."""
   __slots__ = ("req", "j", "shard", "pages", "pos", "step", "last", "limit", "key", "sid",
-               "bias", "tokens", "logprobs", "versions", "first_window")
+               "bias", "tokens", "logprobs", "versions", "first_window", "kv_version")
 
-  def __init__(self, req, j, shard, pages, pos, last, limit, key, sid, bias):
+  def __init__(self, req, j, shard, pages, pos, last, limit, key, sid, bias, kv_version):
     self.req, self.j, self.shard, self.pages = req, j, shard, pages
     self.pos, self.step, self.last, self.limit = pos, 0, last, limit
     self.key, self.sid, self.bias = key, sid, bias
     self.tokens, self.logprobs, self.versions = [], [], []
     self.first_window = -1
+    self.kv_version = kv_version  # the oldest version whose weights wrote this row's KV
 
 
 class _Piece:
@@ -294,8 +299,9 @@ class Engine:
 
   # ------------------------------------------------------------------------- admission
 
-  def _admit(self, waiting: collections.deque, rows: list, pieces: list) -> int:
-    """Fill free slots from ``waiting`` (host only). Returns the samples admitted."""
+  def _admit(self, waiting: collections.deque, rows: list, pieces: list, version: int) -> int:
+    """Fill free slots from ``waiting`` (host only), prefilled under ``version``.
+    Returns the samples admitted."""
     ps = self.st.page_size
     admitted = 0
     while waiting:
@@ -319,7 +325,7 @@ class Engine:
       for a, j in enumerate(js):
         own = shared + ([tail[a]] if partial else [])
         rows[s].append(_Row(w.req, j, s, own, f, int(w.prompt[-1]), w.limit, w.key,
-                            int(w.req.sid_base) + j, w.bias))
+                            int(w.req.sid_base) + j, w.bias, version))
       admitted += take
     return admitted
 
@@ -397,9 +403,6 @@ class Engine:
     source = params if is_params_source(params) else None
     version = -1
     if source is not None:
-      if self.nproc > 1:
-        raise EngineError("in-flight weight updates (a ParamsSource) need one process: the "
-                          "processes would have to agree on the version of every window.")
       params, version = source.current()
     ps, w = self.st.page_size, self.st.window
     rows: list = [[] for _ in range(self.local_shards)]
@@ -416,7 +419,7 @@ class Engine:
           params, version, pool = self._swap(source, params, version, pool, rows, stats)
         for req in feed.poll():
           waiting.append(self._check_request(req))
-        admitted = self._admit(waiting, rows, pieces)
+        admitted = self._admit(waiting, rows, pieces, version)
         if admitted:
           stats.refills += 1
         # pages for what the next window can write: positions [pos, pos + min(W, left))
@@ -444,7 +447,7 @@ class Engine:
           stats.verify_wait_s += time.perf_counter() - t0
           continue
         nap = 0.0005
-        pool = self._run_window(params, pool, rows, g, stats, on_row, version)
+        pool = self._run_window(params, pool, rows, g, stats, on_row)
       self.pages.check_all_free()
     finally:
       for shard_rows in rows:
@@ -473,6 +476,7 @@ class Engine:
         for r in shard_rows:
           seq = np.concatenate([np.asarray(list(r.req.prompt), np.int64),
                                 np.asarray(r.tokens, np.int64)])[:r.pos]
+          r.kv_version = new_version  # its KV is redone under the new weights
           if seq.size:
             pieces.append(_Piece(r.shard, seq, r.pages, []))
             stats.recomputed_tokens += int(seq.size)
@@ -543,10 +547,10 @@ class Engine:
     shrink_to = max(smaller) if (self.ecfg.shrink and not waiting_any and smaller) else -1
     return min_idle, shrink_to
 
-  def _run_window(self, params, pool, rows, g, stats, on_row, version=-1):
+  def _run_window(self, params, pool, rows, g, stats, on_row):
     """One window over each shard's first ``sps`` rows (the slots), the rest of its
-    rows staged; then the rows' new tokens, finished rows to the callback. Every
-    token is labelled ``version`` (the version of ``params``)."""
+    rows staged; then the rows' new tokens (each labelled with its row's
+    ``kv_version``), finished rows to the callback."""
     rb = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
     qb = self.qs if g[:, 1].max() > 0 else 0
     pb = _bucket(g[:, 2].max(), self.page_buckets, "page-table width", "engine.page_buckets")
@@ -574,7 +578,7 @@ class Engine:
         return slot_rows[gid - row_off]
       return staged_rows[gid - b_global - q_off]
 
-    touched = self._scatter_tokens(toks, lps, srcs, steps, row_of, window, version, stats)
+    touched = self._scatter_tokens(toks, lps, srcs, steps, row_of, window, stats)
     finished = [r for r in touched
                 if r.step >= r.limit or (r.tokens and r.tokens[-1] in self.stop_ids)]
     gone = set(map(id, finished))
@@ -587,7 +591,7 @@ class Engine:
     return pool
 
   @staticmethod
-  def _scatter_tokens(toks, lps, srcs, steps: int, row_of, window: int, version: int,
+  def _scatter_tokens(toks, lps, srcs, steps: int, row_of, window: int,
                       stats: EngineStats) -> list:
     """A window's tokens ``[slots, steps]`` to their rows: ``srcs`` names, per slot
     and step, the row (global id; -1 idle) whose token it is. Returns the rows touched."""
@@ -606,7 +610,7 @@ class Engine:
             r.first_window = window
           r.tokens.extend(toks[k, i:j].tolist())
           r.logprobs.extend(lps[k, i:j].tolist())
-          r.versions.extend([version] * (j - i))
+          r.versions.extend([r.kv_version] * (j - i))
           r.last = int(toks[k, j - 1])
           r.step += j - i
           r.pos += j - i
@@ -750,16 +754,15 @@ class Engine:
     lengths = np.zeros((total,), np.int32)
     stopped = np.zeros((total,), bool)
     seen = np.zeros((total,), bool)
-
-    record = getattr(params, "record", None) if is_params_source(params) else None
+    versions = np.full((total, r_len), -1, np.int64) if is_params_source(params) else None
 
     def on_row(fr: FinishedRow):
-      if record is not None:
-        record(fr)
       k = fr.tag * n + fr.j
       m = fr.tokens.size
       tokens[k, :m] = fr.tokens
       logprobs[k, :m] = fr.logprobs
+      if versions is not None:
+        versions[k, :m] = fr.versions
       lengths[k], stopped[k], seen[k] = m, fr.stopped, True
 
     self.run(params, ListFeed(reqs), on_row, stats=stats)
@@ -770,7 +773,7 @@ class Engine:
     return sampling.SampleOutput(
         tokens=tokens, lengths=lengths, response_mask=mask, logprobs=logprobs,
         prompt_tokens=np.repeat(ptoks, n, axis=0), prompt_mask=np.repeat(pmask, n, axis=0),
-        stopped=stopped, prompt_truncated=np.repeat(truncated, n))
+        stopped=stopped, prompt_truncated=np.repeat(truncated, n), versions=versions)
 
 
 # ----------------------------------------------------------------------------- functional API

@@ -168,15 +168,12 @@ class ParamsSource(Protocol):
   """Params that change while the engine runs (in-flight weight updates).
 
   ``current()`` -> (params, version): read once per loop iteration, between
-  windows; ``kv_mode``: what a version change does to rows in flight
-  (``keep_kv`` | ``recompute``); ``record(row)``: each finished row with its
-  per-token ``versions`` (:meth:`Engine.sample`)."""
+  windows (with several processes, at the same iteration on each: the source
+  makes them agree); ``kv_mode``: what a version change does to rows in flight
+  (``keep_kv`` | ``recompute``)."""
   kv_mode: str
 
   def current(self) -> tuple:
-    ...
-
-  def record(self, row: "FinishedRow") -> None:
     ...
 
 

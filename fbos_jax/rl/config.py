@@ -11,7 +11,7 @@ config into the frozen (hashable) dataclasses the library takes, once per run:
 * ``update``: :class:`UpdateConfig`, the terms of the objective and the loop shape;
 * ``optim``: :class:`OptimConfig`;
 * ``asynchronous``: :class:`AsyncConfig`, the rollout / trainer split and the
-  staleness bound (``fbos_jax/rl/async_rl.py``).
+  staleness bound (``fbos_jax/rl/sources.py``).
 
 Nothing below this module reads ``config.sampling`` or ``config.rl``: the
 parts are handed down (:class:`fbos_jax.rl.context.RolloutContext` holds them).
@@ -153,7 +153,6 @@ class RolloutSpec:
   gfpo_history: int = 256
   fixed_row_buckets: bool = False
   stream_rounds: bool = False  # round 2 streamed in beside round 1 (the continuous engine)
-  staleness: int = 0
   success_threshold: float = 1.0
   terms: tuple = ()  # the update's terms (which batches the rollout builds)
 
@@ -181,7 +180,7 @@ INFLIGHT_UPDATES = ("keep_kv", "recompute")
 
 @dataclasses.dataclass(frozen=True)
 class AsyncConfig:
-  """AReaL's system (``fbos_jax/rl/async_rl.py``): a rollout worker and the trainer
+  """AReaL's system (``fbos_jax/rl/sources.py``): a rollout worker and the trainer
   overlap, with bounded staleness.
 
   rollout_devices: N devices form the rollout mesh, the rest the trainer mesh
@@ -195,6 +194,8 @@ class AsyncConfig:
   sync_chunk_bytes: the weight sync copies at most this many bytes of params at once.
   rollout_mesh: ((axis, size), ...) the rollout mesh's axes over ``mesh.*`` when
     split (``rl.rollout_mesh``; only the non-zero ones).
+  sync_timeout_s: a transfer between the processes of a split (weights, a batch)
+    that takes longer fails, naming its side and version.
   """
   rollout_devices: int = 0
   max_staleness: int = 0
@@ -202,6 +203,7 @@ class AsyncConfig:
   inflight_update: str = "keep_kv"
   sync_chunk_bytes: int = 512 * 2 ** 20
   rollout_mesh: tuple = ()
+  sync_timeout_s: float = 600.0
 
   @property
   def enabled(self) -> bool:
@@ -308,7 +310,8 @@ def _async_config(rl) -> AsyncConfig:
                      max_staleness=int(rl.max_staleness), buffer_groups=int(rl.buffer_groups),
                      inflight_update=str(rl.inflight_update),
                      sync_chunk_bytes=int(float(rl.sync_chunk_mib) * 2 ** 20),
-                     rollout_mesh=_rollout_mesh(rl.rollout_mesh))
+                     rollout_mesh=_rollout_mesh(rl.rollout_mesh),
+                     sync_timeout_s=float(rl.sync_timeout_s))
 
 
 def _rollout_mesh(section) -> tuple:
@@ -531,7 +534,7 @@ def _validate_rl_values(config, errs):
   if rl.round2 and config.templates.max_prompt_tokens > max(config.sampling.fap_prompt_buckets):
     errs.append(f"templates.max_prompt_tokens={config.templates.max_prompt_tokens} exceeds the "
                 f"largest sampling.fap_prompt_buckets={max(config.sampling.fap_prompt_buckets)}")
-  for f in ("staleness", "epa_max_per_prompt", "kl_beta", "entropy_coef"):
+  for f in ("epa_max_per_prompt", "kl_beta", "entropy_coef"):
     _positive(errs, f"rl.{f}", rl[f], allow_zero=True)
   for f in ("ppo_epochs", "mini_batches", "micro_batches", "prompts_per_step", "round2_size",
             "offpolicy_lambda", "adv_eps", "behav_weight_cap"):
@@ -550,10 +553,6 @@ def _validate_rl_values(config, errs):
                 "(this algorithm has no round 2), so it would change nothing; drop it")
   _validate_async(rl, errs)
   _validate_packing(config, errs)
-  if rl.staleness > 0 and not any(t.loss == "decoupled" for t in terms):
-    errs.append(f"rl.staleness={rl.staleness} samples with old params, but no term uses the "
-                "decoupled loss that corrects for it; add the flavor (e.g. "
-                "--config=configs/grpo.py:tiny,decoupled)")
 
 
 def longest_row(config) -> tuple:
@@ -601,23 +600,17 @@ def _validate_packing(config, errs):
 
 def _validate_async(rl, errs):
   """The asynchronous loop's fields (the device split itself is checked where the
-  devices are known: ``fbos_jax/rl/async_rl.py:split_devices``)."""
+  devices are known: ``fbos_jax/rl/split.py``)."""
   for f in ("rollout_devices", "max_staleness", "buffer_groups"):
     v = rl[f]
     if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
       errs.append(f"rl.{f}={v!r}: must be an integer >= 0")
   _positive(errs, "rl.sync_chunk_mib", rl.sync_chunk_mib)
+  _positive(errs, "rl.sync_timeout_s", rl.sync_timeout_s)
   b = rl.prompts_per_step
   if isinstance(rl.buffer_groups, int) and 0 < rl.buffer_groups < b:
     errs.append(f"rl.buffer_groups={rl.buffer_groups} is smaller than one batch: the trainer "
                 f"takes rl.prompts_per_step={b} groups per step (0 = (max_staleness + 1) x {b})")
-  on = (isinstance(rl.rollout_devices, int) and rl.rollout_devices > 0) or (
-      isinstance(rl.max_staleness, int) and rl.max_staleness > 0)
-  if on and rl.staleness > 0:
-    errs.append(f"rl.staleness={rl.staleness} (old params inside the synchronous loop) and the "
-                f"asynchronous loop (rl.rollout_devices={rl.rollout_devices}, "
-                f"rl.max_staleness={rl.max_staleness}) are two ways to sample stale; use one "
-                "(rl.max_staleness bounds the asynchronous loop's staleness)")
 
 
 def _validate_master(config, errs):

@@ -14,7 +14,9 @@ export check. It holds:
 
 :meth:`RolloutContext.sample` is the one sampler call of the project: every
 caller names the kind of call (``parts.sampling.round1`` / ``round2`` /
-``eval`` / ``eval_sampled``) and gets decoded texts with the tokens.
+``eval`` / ``eval_sampled``) and gets decoded texts with the tokens, and the
+policy version of every token when ``params`` is a
+:class:`~fbos_jax.engine.ParamsSource`.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ class Samples(NamedTuple):
   """n samples per context, prompt-major (row ``i * n + j``: sample j of context i).
 
   tokens [N, R] int32, mask [N, R] int32 (1 on generated tokens, stop included),
-  logp [N, R] float32 (the sampler's log-probs), lengths [N] int32, texts [N] str."""
+  logp [N, R] float32 (the sampler's log-probs), lengths [N] int32, texts [N] str,
+  versions [N, R] int64 (the policy version of each token, -1 off the mask; -1
+  everywhere for params without a version)."""
   tokens: np.ndarray
   mask: np.ndarray
   logp: np.ndarray
   lengths: np.ndarray
   texts: list
+  versions: np.ndarray
 
 
 class DecodeError(ValueError):
@@ -199,12 +204,21 @@ class RolloutContext:
     configs): the one sampler call of the project (rollout rounds, eval, SFT's
     own failures, the export check), on the static sampler or the continuous
     engine (``sampling.engine``; the same key contract and output). Contexts may
-    be empty on every process (0 rows). ``params``: the policy in
-    ``model.compute_dtype`` (:class:`fbos_jax.rl.state.ComputeCopy`); handed the
-    master of another dtype it raises."""
+    be empty on every process (0 rows).
+
+    ``params``: the policy in ``model.compute_dtype``
+    (:class:`fbos_jax.rl.state.ComputeCopy`; handed the master of another dtype it
+    raises) with versions -1, or a ParamsSource (published compute copies and their
+    version): the static sampler reads it once per call, the engine between decode
+    windows (in-flight weight updates, ``fbos_jax/engine/runner.py``)."""
     from fbos_jax import sampling as sampling_lib
+    from fbos_jax.engine import is_params_source
     sp = self.parts.sampling
-    if not hasattr(params, "current"):  # a PolicyStore holds published compute copies
+    version = -1
+    if is_params_source(params):
+      if sp.engine != "continuous":
+        params, version = params.current()
+    else:
       state_lib.check_compute_params(params, self.model_cfg, "RolloutContext.sample")
     if sp.engine == "continuous":
       from fbos_jax import engine
@@ -217,9 +231,11 @@ class RolloutContext:
                                 config=sampling, mesh=self.mesh, rules=self.rules,
                                 allow_empty=True, stream_ids=stream_ids)
     texts = self.decode(out.tokens, out.lengths) if out.tokens.shape[0] else []
-    return Samples(np.asarray(out.tokens, np.int32), np.asarray(out.response_mask, np.int32),
-                   np.asarray(out.logprobs, np.float32), np.asarray(out.lengths, np.int32),
-                   texts)
+    mask = np.asarray(out.response_mask, np.int32)
+    versions = out.versions if out.versions is not None else np.full(mask.shape, version)
+    return Samples(np.asarray(out.tokens, np.int32), mask, np.asarray(out.logprobs, np.float32),
+                   np.asarray(out.lengths, np.int32), texts,
+                   np.where(mask > 0, versions, -1).astype(np.int64))
 
   def close(self):
     close = getattr(self.pool, "close", None)

@@ -26,8 +26,8 @@ def evaluate(ctx: RolloutContext, params, examples: list, *, key, k: int = 1) ->
   thr = ctx.threshold
   ids = [ctx.prompt_ids(ex) for ex in examples]
   k_greedy, k_sampled = jax.random.split(key)
-  tokens, mask, logp, lengths, texts = ctx.sample(params, ids, 1, k_greedy,
-                                                  ctx.parts.sampling.eval)
+  greedy = ctx.sample(params, ids, 1, k_greedy, ctx.parts.sampling.eval)
+  lengths, texts = greedy.lengths, greedy.texts
   rewards, _, errors, _ = ctx.verify(examples, texts)
   ok = ~errors
   solved = rewards >= thr
@@ -53,7 +53,7 @@ def evaluate(ctx: RolloutContext, params, examples: list, *, key, k: int = 1) ->
 def evaluate_checkpoint(config, workdir: str, *, k: int = 1, step: int = -1,
                         init_from_hf: str = "") -> dict:
   """Held-out accuracy of checkpoint ``step`` (-1 = latest) of ``workdir``: only
-  its params are restored (``fbos_jax.rl.run.restore_params``), on the config's
+  its params are restored (``fbos_jax.rl.state.restore_params``), on the config's
   mesh, with the run's generation stop ids (``init_from_hf`` or
   ``model.hf_path``: the checkpoint's architecture, tokenizer and stop ids, as
   in training). The pass@k draws come from the run's ``eval`` stream at that
@@ -62,7 +62,7 @@ def evaluate_checkpoint(config, workdir: str, *, k: int = 1, step: int = -1,
   from fbos_jax import sharding as sh
   from fbos_jax.rl import config as config_lib
   from fbos_jax.rl import state as state_lib
-  from fbos_jax.rl.run import restore_params
+  from fbos_jax.rl.state import restore_params
   config = config_lib.with_checkpoint_model(config, init_from_hf)
   mesh = sh.make_mesh(config.mesh)
   ctx = RolloutContext.build(config, workdir, mesh=mesh, check_budget=False)

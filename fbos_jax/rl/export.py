@@ -7,7 +7,7 @@ checkpoint's ``config.json`` when the run came from one), the tokenizer files
 and the source's ``generation_config.json``: a directory vLLM, SGLang and
 ``transformers.AutoModelForCausalLM`` load as is. ``check_greedy`` reloads it
 with transformers and compares greedy generations with our sampler's. Both
-read only the params of the checkpoint (``fbos_jax.rl.run.restore_params``).
+read only the params of the checkpoint (``fbos_jax.rl.state.restore_params``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fbos_jax.model import hf
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl.context import RolloutContext
-from fbos_jax.rl.run import restore_params
+from fbos_jax.rl.state import restore_params
 
 GENERATION_CONFIG = "generation_config.json"
 

@@ -23,10 +23,11 @@ class StepGuard:
     self.skip_nonfinite, self.limit = bool(skip_nonfinite), int(max_failed_steps)
     self.failed_steps = 0  # consecutive steps whose every verifier call failed
 
-  def annotate(self, m: dict, examples: list, step: int):
-    """Name a skipped (non-finite) optimizer step of ``step`` in the log and ``m``."""
+  def annotate(self, m: dict, ids: list, step: int):
+    """Name a skipped (non-finite) optimizer step of ``step`` in the log and ``m``
+    (``ids``: the batch's prompt ids, ``Trajectory.ids``)."""
     if m["policy/finite"] < 1:
-      ids = [str(ex.get("id", "")) for ex in examples]
+      ids = [str(i) for i in ids]
       logging.warning("step %d: an optimizer step was skipped (non-finite loss or gradient); "
                       "batch ids: %s", step, ids)
       m["skipped_batch_ids"] = ids

@@ -28,7 +28,7 @@ On one batch of prompts, without any update:
 Every figure is also given on the rows of **all-fail groups** (no round-1
 success: where GRPO has no signal), with the suffix ``_allfail``. Besides the
 fresh resample rate, ``resample_r1`` is the resample rate as
-``fbos_jax.rl.rollout.round2_metrics`` defines it (the round-1 success rate of
+``fbos_jax.rl.rounds.round2_metrics`` defines it (the round-1 success rate of
 the rows' prompts); on all-fail groups it is 0 by construction, which is why
 the fresh sample from q is the baseline of the ratio ``fix_over_resample``
 (``solve_fap / solve_q``). ``fap_raises_logp`` is the share of failed rollouts
@@ -40,7 +40,7 @@ whose FAP gives the gold response a higher log-probability than q does.
 call :func:`probe_metrics` on a step's prompts every few steps and log its
 ``probe/*`` dict. ``launch/compare.py --probe_only`` runs it on the warm starts.
 
-It uses the rollout's own pieces: ``rollout.round1`` + ``rollout.verify`` for
+It uses the rollout's own pieces: ``rounds.round1`` + ``rounds.verify`` for
 the round-1 rows, ``RolloutContext.sample`` / ``verify`` for the control samples
 and ``RolloutContext.prompts`` for the FAPs.
 """
@@ -61,7 +61,7 @@ from fbos_jax import tasks as tasks_lib
 from fbos_jax import templates
 from fbos_jax.rl import batch as batch_lib
 from fbos_jax.rl import objectives
-from fbos_jax.rl import rollout as rollout_lib
+from fbos_jax.rl import rounds
 
 KINDS = ("fap", "swapped", "no_feedback", "no_attempt", "q")
 SUBSETS = ("", "_allfail")  # all failed rollouts; those of all-fail groups
@@ -91,8 +91,8 @@ class ProbeRows:
 
 def _round1(ctx, params, examples, key):
   """Round 1 and its verdicts: the probe's one use of the rollout phases."""
-  r1 = rollout_lib.round1(ctx, params, examples, key)
-  rollout_lib.verify(ctx, r1, examples)
+  r1 = rounds.round1(ctx, params, examples, key)
+  rounds.verify(ctx, r1, examples)
   return r1
 
 

@@ -1,5 +1,4 @@
-"""End-to-end run: tokenizer -> (warm start) -> RL -> checkpoints -> plot; and the
-params-only restore that eval and export use."""
+"""End-to-end run: tokenizer -> (warm start) -> RL -> checkpoints -> plot."""
 
 from __future__ import annotations
 
@@ -11,83 +10,40 @@ import jax
 import numpy as np
 from absl import logging
 
-from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data as data_lib
+from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
-from fbos_jax import sharding as sh
 from fbos_jax.model import hf
-from fbos_jax.model import qwen
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import evaluation
 from fbos_jax.rl import sft as sft_lib
-from fbos_jax.rl import state as state_lib
-from fbos_jax.rl.context import RolloutContext
+from fbos_jax.rl import split as split_lib
 from fbos_jax.rl.trainer import RLTrainer
 
 
-def restore_params(config, workdir: str, *, step: int = -1, mesh=None):
-  """The params of checkpoint ``step`` (-1 = latest) of ``workdir``, placed on
-  ``mesh`` (default the config's) by the logical rules: no verifier pool, no data
-  iterator, no optimizer state. A checkpoint of another model names the field and
-  both values. Returns (params, step)."""
-  rules = sh.rules_dict(config.mesh.rules)
-  mesh = mesh if mesh is not None else sh.make_mesh(config.mesh)
-  model = qwen.ModelConfig.from_dict(config.model)
-  parts = config_lib.RunParts(model=model, sampling=None, rollout=None, update=None, optim=None)
-  specs = state_lib.param_specs(parts, mesh, rules)
-  abstract = jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                        sharding=jax.sharding.NamedSharding(mesh, s)),
-      qwen.abstract_params(model), specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=1, keep=1)
+def run_training(config, workdir: str, **kw):
+  """The run (:func:`train_and_summarise`); in a multi-process run a failure here
+  is told to the other processes, which stop naming this one."""
   try:
-    if ckpt.latest_step() is None:
-      raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
-    params, restored, meta = ckpt.restore_params(None if step < 0 else step, abstract,
-                                                 {"model": config.model.to_dict()})
-  finally:
-    ckpt.close()
-  warn_other_data(meta.get("config"), config, f"{ckpt.directory}/{restored}")
-  return params, restored
+    return train_and_summarise(config, workdir, **kw)
+  except BaseException as e:  # noqa: BLE001
+    if jax.process_count() > 1:
+      distributed.fail_run(e)
+    raise
 
 
-# sections whose fields decide what the model was trained on (a difference at eval or
-# export is worth a warning); the fields that do not are left out
-_DATA_SECTIONS = ("data", "templates")
-_DATA_IGNORED = ("data.read_threads",)
-
-
-def warn_other_data(saved, config, where: str) -> list:
-  """Warn (naming each field, both values) when ``config``'s task or data
-  (``data.*``, ``templates.*``) differ from those of the run that wrote the
-  checkpoint at ``where`` (its meta's config, ``saved``): eval and export then
-  read the checkpoint against other data than it trained on. Returns the
-  differences as "field: checkpoint=... config=..." strings."""
-  if not saved:
-    return []
-  a = ckpt_lib._flatten({k: saved.get(k, {}) for k in _DATA_SECTIONS})
-  b = ckpt_lib._flatten(json.loads(json.dumps(
-      {k: config[k].to_dict() for k in _DATA_SECTIONS}, default=str)))
-  diffs = [f"{f}: checkpoint={a.get(f, '(absent)')!r} config={b.get(f, '(absent)')!r}"
-           for f in sorted(set(a) | set(b))
-           if f not in _DATA_IGNORED and a.get(f) != b.get(f)]
-  if diffs:
-    logging.warning("the checkpoint %s was trained on other data than this config names "
-                    "(%s); the result is of that checkpoint on this config's data (use the "
-                    "run's config if that is not what you meant)", where, "; ".join(diffs))
-  return diffs
-
-
-def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = True,
-                 allow_config_change: bool = False):
+def train_and_summarise(config, workdir: str, *, init_from_hf: str = "", plot: bool = True,
+                        allow_config_change: bool = False):
   t_start = time.perf_counter()
   os.makedirs(workdir, exist_ok=True)
   config = config_lib.with_checkpoint_model(config, init_from_hf)
-  trainer_cls = RLTrainer
-  if config_lib.async_config(config).enabled:  # a rollout worker beside the trainer
-    from fbos_jax.rl.async_trainer import AsyncRLTrainer
-    trainer_cls = AsyncRLTrainer
-  trainer = trainer_cls(config, workdir, allow_config_change=allow_config_change)
+  sides = split_lib.process_sides(config)
+  if sides and jax.process_index() in sides[1].processes:  # a rollout process of a split
+    from fbos_jax.rl import remote
+    remote.run_rollout(config, workdir, sides)
+    distributed.finish()
+    return None, {}
+  trainer = RLTrainer(config, workdir, allow_config_change=allow_config_change)
   trainer.started = t_start
   try:
     state, summary = _train(config, trainer, workdir, plot)
@@ -95,6 +51,7 @@ def run_training(config, workdir: str, *, init_from_hf: str = "", plot: bool = T
   except BaseException:
     close_quietly(trainer)  # the error is what the user needs: a close that fails
     raise                   # too (a full disk) must not hide it
+  distributed.finish()
   _print(json.dumps(summary))
   return state, summary
 

@@ -70,7 +70,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from fbos_jax import buckets
+from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import data as data_lib
+from fbos_jax import distributed
 from fbos_jax import metrics as metrics_lib
 from fbos_jax import sharding as sh
 from fbos_jax import tasks as tasks_lib
@@ -245,8 +247,8 @@ def train_sft(config, ctx, params, rng, *, steps: Optional[int] = None, progress
     data_cfg = mlc.ConfigDict(config.data.to_dict())
     data_cfg.generation_seed = int(data_cfg.generation_seed) + STAGE_SEED_STRIDE * stage
   it = data_lib.make_prompt_iterator(data_cfg, batch_size=config.sft.batch_size,
-                                     process_index=jax.process_index(),
-                                     process_count=jax.process_count(),
+                                     process_index=distributed.process_index(),
+                                     process_count=distributed.process_count(),
                                      seed=state_lib.host_seed(rng, "sft", stage, 0),
                                      tokenizer=ctx.tokenizer, templates_config=config.templates)
   builder = _BatchBuilder(config, ctx, n_corr, rows,
@@ -511,7 +513,7 @@ class _Cache:
       with open(tmp, "w") as f:
         json.dump(want, f, indent=1)
       os.replace(tmp, self.meta)
-    ckptr.save(self.params, params)
+    ckptr.save(self.params, ckpt_lib.savable(params))
     ckptr.wait_until_finished()
 
 
@@ -524,7 +526,8 @@ def warm_start(config, ctx, state, *, cache_dir: str):
   fingerprint. A stopped run resumes after the last stage it cached
   (``cache_dir/stages/<i>``); the last stage is cached in ``cache_dir`` itself.
   ``cached`` is True only when no stage was trained."""
-  ckptr = ocp.StandardCheckpointer()
+  ckptr = ocp.StandardCheckpointer(multiprocessing_options=ckpt_lib.multiprocessing_options(
+      distributed.side().processes, prefix="fbos_sft"))
   params = state.params
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                           params)

@@ -2,8 +2,7 @@
 
 Everything a step changes is in :class:`TrainState`, and the checkpoint saves
 it as one: resuming restores exactly the run that was saved, including the
-GFPO difficulty history, the stale-params history (``rl.staleness``), the
-frozen KL reference and the counters.
+GFPO difficulty history, the frozen KL reference and the counters.
 
 All randomness of a run comes from ``TrainState.rng`` (seeded from
 ``config.seed``), through named streams (:func:`stream_key`): ``sample``
@@ -71,8 +70,6 @@ class TrainState:
   rng:             [2] uint32 raw PRNG key data (orbax saves raw arrays)
   nonfinite_steps: [] int32   steps whose loss or gradient was not finite
   gfpo:            AdaptiveKState ring buffer of prompt difficulties, or None
-  param_history:   tuple of ``rl.staleness`` older param pytrees (oldest first):
-                   the params that sample this step are ``param_history[0]``
   ref_params:      the frozen KL reference (``rl.kl_beta > 0``), or None
   """
   step: jax.Array
@@ -81,20 +78,7 @@ class TrainState:
   rng: jax.Array
   nonfinite_steps: jax.Array
   gfpo: Optional[Any] = None
-  param_history: tuple = ()
   ref_params: Optional[Any] = None
-
-  def sampling_params(self):
-    """The params that sample this step: ``rl.staleness`` updates old, or current."""
-    return self.param_history[0] if self.param_history else self.params
-
-  def after_sampling(self) -> "TrainState":
-    """Shift the stale-params history by one step: drop the oldest, append (a copy
-    of) the current params, before the update changes them."""
-    if not self.param_history:
-      return self
-    current = jax.tree.map(jnp.copy, self.params)  # the update donates self.params
-    return self.replace(param_history=self.param_history[1:] + (current,))
 
 
 # ----------------------------------------------------------------------------- compute copy
@@ -206,7 +190,7 @@ def layout(parts) -> dict:
   """The config fields that shape the TrainState besides the model (a restore
   from a checkpoint of another layout names the field that differs)."""
   spec, loss = parts.rollout, parts.update.loss
-  return {"rl.staleness": int(spec.staleness), "rl.kl_beta > 0": bool(loss.kl_beta > 0),
+  return {"rl.kl_beta > 0": bool(loss.kl_beta > 0),
           "rl.gfpo_adaptive": bool(spec.gfpo_adaptive),
           "rl.gfpo_history": int(spec.gfpo_history) if spec.gfpo_adaptive else None,
           "optim.opt_state_dtype": parts.optim.opt_state_dtype,
@@ -235,7 +219,6 @@ def abstract_state(parts, mesh, rules, *, strict: bool = False) -> TrainState:
   return TrainState(step=scalar(jnp.int32), params=params, opt_state=opt,
                     rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep),
                     nonfinite_steps=scalar(jnp.int32), gfpo=gfpo,
-                    param_history=(params,) * int(spec.staleness),
                     ref_params=params if parts.update.loss.kl_beta > 0 else None)
 
 
@@ -251,16 +234,15 @@ def rules_key(rules) -> tuple:
 
 def layout_parts(parts, optim_cfg=None):
   """``parts`` reduced to what shapes the TrainState: the model, the optimizer
-  (``optim_cfg`` replaces the run's, e.g. SFT's), the stale-params history, the
-  KL reference and the GFPO history. Programs keyed on it are shared by runs
+  (``optim_cfg`` replaces the run's, e.g. SFT's), the KL reference and the GFPO
+  history. Programs keyed on it are shared by runs
   that differ elsewhere (seeds, sampling, the rollout)."""
   import dataclasses
   from fbos_jax.rl import config as config_lib
   spec = parts.rollout
   return config_lib.RunParts(
       model=parts.model, sampling=None, optim=optim_cfg or parts.optim,
-      rollout=config_lib.RolloutSpec(1, 1, staleness=int(spec.staleness),
-                                     gfpo_adaptive=bool(spec.gfpo_adaptive),
+      rollout=config_lib.RolloutSpec(1, 1, gfpo_adaptive=bool(spec.gfpo_adaptive),
                                      gfpo_history=int(spec.gfpo_history)
                                      if spec.gfpo_adaptive else 0),
       update=config_lib.UpdateConfig(terms=(), loss=config_lib.LossConfig(
@@ -283,7 +265,7 @@ def _init_fn(layout, mesh, rules: tuple, with_params: bool):
         opt_state=optim_lib.init_opt_state(optimizer, p, layout.optim), rng=rng,
         nonfinite_steps=jnp.zeros((), jnp.int32),
         gfpo=K.adaptive_k_init(spec.gfpo_history) if spec.gfpo_adaptive else None,
-        param_history=(p,) * spec.staleness, ref_params=p if kl else None)
+        ref_params=p if kl else None)
 
   if with_params:
     return jax.jit(build, out_shardings=out)
@@ -298,3 +280,62 @@ def init_state(parts, mesh, rules, params=None, *, optim_cfg=None, rng=None) -> 
   fn = _init_fn(layout_parts(parts, optim_cfg), mesh, rules_key(rules), params is not None)
   rng = root_rng(parts.seed) if rng is None else rng
   return fn(params, rng) if params is not None else fn(rng)
+
+
+def restore_params(config, workdir: str, *, step: int = -1, mesh=None):
+  """The params of checkpoint ``step`` (-1 = latest) of ``workdir``, placed on
+  ``mesh`` (default the config's) by the logical rules: no verifier pool, no data
+  iterator, no optimizer state. A checkpoint of another model names the field and
+  both values. Returns (params, step)."""
+  import os
+  from fbos_jax import checkpoint as ckpt_lib
+  from fbos_jax.rl import config as config_lib
+  rules = sh.rules_dict(config.mesh.rules)
+  mesh = mesh if mesh is not None else sh.make_mesh(config.mesh)
+  model = qwen.ModelConfig.from_dict(config.model)
+  parts = config_lib.RunParts(model=model, sampling=None, rollout=None, update=None, optim=None)
+  specs = param_specs(parts, mesh, rules)
+  abstract = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                        sharding=jax.sharding.NamedSharding(mesh, s)),
+      qwen.abstract_params(model), specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), save_every=1, keep=1)
+  try:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+    params, restored, meta = ckpt.restore_params(None if step < 0 else step, abstract,
+                                                 {"model": config.model.to_dict()})
+  finally:
+    ckpt.close()
+  warn_other_data(meta.get("config"), config, f"{ckpt.directory}/{restored}")
+  return params, restored
+
+
+# sections whose fields decide what the model was trained on (a difference at eval or
+# export is worth a warning); the fields that do not are left out
+_DATA_SECTIONS = ("data", "templates")
+_DATA_IGNORED = ("data.read_threads",)
+
+
+def warn_other_data(saved, config, where: str) -> list:
+  """Warn (naming each field, both values) when ``config``'s task or data
+  (``data.*``, ``templates.*``) differ from those of the run that wrote the
+  checkpoint at ``where`` (its meta's config, ``saved``): eval and export then
+  read the checkpoint against other data than it trained on. Returns the
+  differences as "field: checkpoint=... config=..." strings."""
+  import json
+  from absl import logging
+  from fbos_jax import checkpoint as ckpt_lib
+  if not saved:
+    return []
+  a = ckpt_lib._flatten({k: saved.get(k, {}) for k in _DATA_SECTIONS})
+  b = ckpt_lib._flatten(json.loads(json.dumps(
+      {k: config[k].to_dict() for k in _DATA_SECTIONS}, default=str)))
+  diffs = [f"{f}: checkpoint={a.get(f, '(absent)')!r} config={b.get(f, '(absent)')!r}"
+           for f in sorted(set(a) | set(b))
+           if f not in _DATA_IGNORED and a.get(f) != b.get(f)]
+  if diffs:
+    logging.warning("the checkpoint %s was trained on other data than this config names "
+                    "(%s); the result is of that checkpoint on this config's data (use the "
+                    "run's config if that is not what you meant)", where, "; ".join(diffs))
+  return diffs

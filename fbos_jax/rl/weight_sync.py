@@ -2,7 +2,7 @@
 
 The trainer's params live on the trainer mesh (its shardings from the config's
 logical rules); the rollout worker samples with a copy on the rollout mesh
-(:mod:`fbos_jax.rl.async_rl`). A plain ``jax.device_put(x, rollout_sharding)``
+(:mod:`fbos_jax.rl.sources`). A plain ``jax.device_put(x, rollout_sharding)``
 copies shard by shard only when the two shardings split the array the same way
 (``batched_copy_array_to_devices_with_sharding``); otherwise, when a target
 shard is not exactly a source shard, JAX assembles the whole array on the host

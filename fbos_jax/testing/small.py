@@ -44,6 +44,14 @@ def small_config(spec: str, **overrides):
   return c
 
 
+def free_port() -> int:
+  """A TCP port nobody listens on now (a coordinator for a multi-process test)."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 def one_device_mesh():
   """A mesh over the first device only (the default axes, all of size 1)."""
   from fbos_jax import sharding as sh
@@ -67,11 +75,12 @@ def parity_reward(example, response):
   return float(ok), "correct" if ok else f"the answer has odd length {len(response)}"
 
 
-def assert_resume_matches_straight(make_trainer, workdir: str, drop_prefixes=("time/",)):
+def assert_resume_matches_straight(make_trainer, workdir: str,
+                                   drop_prefixes=("time/", "tokens/per_s", "async/")):
   """4 steps straight against 2 steps, a fresh trainer, 2 more (``make_trainer(dir)``
   builds a trainer of a 4-step config writing to ``dir``): the same state, leaf for
   leaf, and the same metrics rows but the keys starting with ``drop_prefixes``
-  (timings). Returns (straight state, resumed state)."""
+  (timings and busy fractions). Returns (straight state, resumed state)."""
   import os
   import numpy as np
   from fbos_jax import metrics as metrics_lib
