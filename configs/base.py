@@ -85,6 +85,10 @@ _TINY_RUN = {
     "rl.prompts_per_step": 16, "rl.group_size": 8, "rl.round2_size": 8,
     "rl.epa_max_per_prompt": 8,
     "rl.fixed_row_buckets": True,  # compiles cost more than padded rows at this size
+    # with sampling.engine=continuous: 111 engine programs (187 with rl.stream_rounds)
+    # where powers of two give 268 (562), whose loaded kernels pass the CPU's
+    # vm.max_map_count (fbos_jax/compile_set.py:MapBudget)
+    "engine.bucket_growth": 4,
     # Adam's step (about lr per coordinate) must stay inside the small region
     # where the policy-gradient loss still falls: 3e-4 already lowered the reward.
     "optim.learning_rate": 1e-4, "optim.schedule": "cosine", "optim.warmup_steps": 5,

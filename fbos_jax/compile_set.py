@@ -121,12 +121,66 @@ def _update_jobs(ctx, state, combos: list) -> list:
   return [functools.partial(job, c) for c in combos]
 
 
+class CompileSetTooLarge(RuntimeError):
+  """The compile set cannot stay loaded in this process (see :class:`MapBudget`)."""
+
+
+@dataclasses.dataclass
+class MapBudget:
+  """XLA's CPU backend loads each kernel of a compiled program as its own memory
+  mappings (about 100-250 a program), and a process that reaches the kernel's
+  ``vm.max_map_count`` (65,530 by default) dies in LLVM with "Cannot allocate
+  memory" and a segfault. A compile set keeps every program loaded, so
+  :func:`compile_all` projects the count from the programs compiled so far and
+  stops with a :class:`CompileSetTooLarge` naming the fields that shrink the set,
+  before the process gets there (minutes into the compiles, not at the limit)."""
+  start: int
+  limit: int
+  headroom: float = 0.9     # of the limit, what the set may project to use
+  after: int = 8            # programs compiled before a projection is trusted
+
+  @staticmethod
+  def count() -> int:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+
+  @classmethod
+  def here(cls):
+    """This process's budget, or None where the kernel has no such limit to read."""
+    try:
+      with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+      return cls(start=cls.count(), limit=limit)
+    except (OSError, ValueError):
+      return None
+
+  def projected(self, done: int, total: int) -> int:
+    """The maps of all ``total`` programs, at the mean of the ``done`` compiled so far."""
+    used = self.count()
+    return used + (used - self.start) * (total - done) // max(done, 1)
+
+  def check(self, done: int, total: int):
+    if done < min(self.after, total):
+      return
+    need = self.projected(done, total)
+    if need > self.headroom * self.limit:
+      raise CompileSetTooLarge(
+          f"the compile set's {total} programs would need about {need:,} memory maps after "
+          f"{done} of them (XLA's CPU backend maps each kernel), over "
+          f"{self.headroom:.0%} of vm.max_map_count={self.limit:,}: the process would die "
+          "compiling. Shrink the set: engine.bucket_growth=4 or 0 (fewer row, page and "
+          "prefill buckets; `--dry_run` counts them), fewer sampling.*prompt_buckets; or "
+          "raise the kernel's limit: sysctl -w vm.max_map_count=262144")
+
+
 def compile_all(groups: list, *, workers: int = 0, progress: bool = False, say=None) -> dict:
   """Compile every program of ``groups`` on ``workers`` threads (0 = one per
   CPU core, at most 8: XLA compiles outside the GIL; one on a CPU backend), with a progress bar when
   ``progress``. Returns {"programs": count, "seconds": wall time, "groups":
   {name: {"programs": n, "seconds": its programs' compile seconds, summed}}};
-  ``say(line)`` gets one line per group and the total."""
+  ``say(line)`` gets one line per group and the total. On a CPU backend,
+  :class:`CompileSetTooLarge` when the set would not stay loaded
+  (:class:`MapBudget`), the programs not yet started cancelled."""
   say = say or (lambda s: None)
   # on a CPU backend one thread: there the programs' devices are these cores, and XLA's
   # CPU compiler segfaulted compiling two of them at once in CI (2 cores, 2 threads)
@@ -149,16 +203,21 @@ def compile_all(groups: list, *, workers: int = 0, progress: bool = False, say=N
     job()
     return name, time.perf_counter() - t0
 
+  maps = MapBudget.here() if jax.default_backend() == "cpu" else None
+  pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile")
   try:  # (the static sampler donates its prompts, aliased only when n == 1: as its calls do)
-    with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(
-        workers, thread_name_prefix="compile") as pool:
+    with warnings.catch_warnings():
       warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-      for fut in concurrent.futures.as_completed([pool.submit(run, n, j) for n, j in jobs]):
+      for done, fut in enumerate(concurrent.futures.as_completed(
+          [pool.submit(run, n, j) for n, j in jobs]), 1):
         name, dt = fut.result()
         out["groups"][name]["seconds"] += dt
         if bar is not None:
           bar.update(1)
+        if maps is not None:
+          maps.check(done, total)
   finally:
+    pool.shutdown(wait=True, cancel_futures=True)
     if bar is not None:
       bar.close()
   out["seconds"] = time.perf_counter() - t_all

@@ -694,8 +694,14 @@ def resumed_runs(workdir, meta, labels, seeds) -> tuple:
   path = os.path.join(workdir, "compare.json")
   if not os.path.exists(path):
     raise app.UsageError(f"--resume: {path} does not exist")
-  with open(path) as f:
-    old = json.load(f)
+  from fbos_jax.rl import compare_file  # pylint: disable=g-import-not-at-top
+  try:
+    old = compare_file.read_json(path)
+  except compare_file.CompareError as e:
+    raise app.UsageError(f"--resume: {e}") from None
+  if not isinstance(old, dict) or not isinstance(old.get("runs"), list):
+    raise app.UsageError(f"--resume: {path} has no 'runs' list (is it a compare.json of "
+                         "launch/compare.py?)")
   was, now = old.get("identity"), meta["identity"]
   if was is None:
     raise app.UsageError(f"--resume: {path} records no identity (written by an older "
@@ -709,7 +715,15 @@ def resumed_runs(workdir, meta, labels, seeds) -> tuple:
   for label in labels:
     if label in was["arms"] and was["arms"][label] != now["arms"][label]:
       raise app.UsageError(f"--resume: arm {label!r} in {path} is defined differently now")
-  kept = [r for r in old["runs"] if r["label"] in labels and r["seed"] in seeds]
+  kept = [r for r in old["runs"] if isinstance(r, dict) and r.get("label") in labels
+          and r.get("seed") in seeds]
+  if kept:  # what the verdict would refuse is not kept (the file, run and key named)
+    try:
+      compare_file.check_compare({"runs": kept, "budget_rollouts": old.get("budget_rollouts")},
+                                 path, sampled=False)
+    except compare_file.CompareError as e:
+      raise app.UsageError(f"--resume: a finished run cannot be kept: {e}; use a new "
+                           "--workdir (or remove that run from the file)") from None
   sweep = [r for r in old.get("sweep_runs", []) if r["label"] in labels]
   meta["resumed"] = {"from": old.get("command"), "wall_seconds_before": old["wall_seconds"],
                      "kept_runs": [f"{r['label']} s{r['seed']}" for r in kept]

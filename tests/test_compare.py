@@ -116,6 +116,18 @@ def test_resume_keeps_finished_runs_and_refuses_another_comparison(tmp_path):
     cmp.resumed_runs(str(tmp_path), {"identity": dict(ident, arms=other)}, ["fbos"], [0])
   with pytest.raises(cmp.app.UsageError, match="does not exist"):
     cmp.resumed_runs(str(tmp_path / "nowhere"), dict(meta), ["grpo"], [0])
+  # a kept run the verdict would refuse (an accuracy out of [0, 1]) is named, not kept
+  path = tmp_path / "compare.json"
+  data = json.loads(path.read_text())
+  data["runs"][1]["rows"][-1]["eval/accuracy"] = 1.5
+  path.write_text(json.dumps(data))
+  with pytest.raises(cmp.app.UsageError, match=r"cannot be kept: .*arm 'fbos', seed 0.*1\.5"):
+    cmp.resumed_runs(str(tmp_path), dict(meta), ["fbos"], [0])
+  assert [r["label"] for r in cmp.resumed_runs(str(tmp_path), dict(meta), ["grpo"], [0])[0]] \
+      == ["grpo"]                                  # the broken run not asked for: no matter
+  path.write_text(path.read_text()[:200])         # a truncated file: named, line and column
+  with pytest.raises(cmp.app.UsageError, match=r"compare.json: not valid JSON at line"):
+    cmp.resumed_runs(str(tmp_path), dict(meta), ["grpo"], [0])
 
 
 def test_a_resume_of_another_comparison_is_refused_before_any_training(tmp_path):

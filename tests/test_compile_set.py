@@ -186,6 +186,41 @@ def test_compile_after_start_is_counted_and_named(caplog):
   assert "step 7" in caplog.text and "doubler f32[3,5]" in caplog.text
 
 
+def test_a_set_over_the_map_budget_stops_early_and_names_the_fields(monkeypatch):
+  """XLA's CPU backend maps each kernel of a loaded program; a set that would
+  pass vm.max_map_count (the tiny engine run's 278 programs died at 272 with
+  "LLVM: Cannot allocate memory", 8 minutes in) stops once its projection says
+  so, naming the fields that shrink it, and compiles none of the rest."""
+  jobs_run, loaded = [], []
+
+  def f(x, w):  # a few dozen kernels, each mapped on its own
+    for _ in range(8):
+      x = jnp.tanh(x @ w) + jnp.sin(x) * jnp.cumsum(x, axis=-1)
+    return jax.nn.softmax(x).sum()
+
+  def jobs():
+    def job(i):
+      jobs_run.append(i)
+      loaded.append(jax.jit(jax.grad(f)).lower(jnp.ones((i + 1, 32)), jnp.ones((32, 32))).compile())
+    return [lambda i=i: job(i) for i in range(40)]
+
+  budget = compile_set.MapBudget.here()
+  assert budget is not None and budget.limit > 0       # Linux: /proc/sys/vm/max_map_count
+  # a limit the 40 loaded programs' maps (about 100 each) cannot fit under
+  monkeypatch.setattr(compile_set.MapBudget, "here", classmethod(
+      lambda cls: cls(start=cls.count(), limit=int((cls.count() + 2000) / 0.9))))
+  group = compile_set.ProgramGroup("probe", list(range(40)), jobs)
+  with pytest.raises(compile_set.CompileSetTooLarge, match="engine.bucket_growth"):
+    compile_set.compile_all([group])
+  assert 8 <= len(jobs_run) < 40
+  # the real limit holds them: compiled to the end
+  jobs_run.clear()
+  loaded.clear()
+  monkeypatch.setattr(compile_set.MapBudget, "here", classmethod(
+      lambda cls: cls(start=cls.count(), limit=budget.limit)))
+  assert compile_set.compile_all([group])["programs"] == 40 and len(jobs_run) == 40
+
+
 def test_ecc_advantages_take_one_program():
   """ECC's group advantages go to the kernel as [P, round2_size]: the same
   values as without the padding, and steps whose prompts with round-2 rows (and

@@ -191,14 +191,28 @@ def real_tokens(batch) -> int:
   return int(sequences(batch)[2].sum())
 
 
+def computed_positions(batch, ucfg) -> int:
+  """Positions of ``batch`` (host numpy, this host's rows) that the update
+  computes: those of its row blocks (mini-batches x micro-batches, as
+  :func:`fbos_jax.rl.update._split` cuts them) that hold a loss token; the
+  update skips the others (``rl.fixed_row_buckets``'s empty micro-batches)."""
+  from fbos_jax.rl import batch as batch_lib
+  parts = int(ucfg.mini_batches) * batch_lib.micro_batches(batch, ucfg.micro_batches)
+  mask = np.asarray(batch.loss_mask)
+  blocks = mask.reshape((parts, -1) + mask.shape[1:]) if mask.shape[0] % parts == 0 else mask[None]
+  per_block = int(np.prod(blocks.shape[1:])) // mask.shape[-1] * int(np.asarray(batch.tokens).shape[-1])
+  return per_block * int(sum(bool((blk != 0).any()) for blk in blocks))
+
+
 def device_batches(batches: dict, ucfg, mesh, rules) -> tuple:
   """The update's batches from the host's ({name: PolicyBatch}, numpy): packed
   when ``ucfg.packed`` (:func:`pack_batches`), each host's rows placed as its
   shard of the global batch. Returns (batches, metrics): ``update/real_token_frac``,
-  the share of the positions the update computes that are real tokens."""
+  the share of the positions the update computes (:func:`computed_positions`)
+  that are real tokens."""
   if ucfg.packed:
     batches = pack_batches(batches, ucfg, sh.local_batch_shard_count(mesh, rules))
-  positions = sum(int(np.prod(b.tokens.shape)) for b in batches.values())
+  positions = sum(computed_positions(b, ucfg) for b in batches.values())
   real = sum(real_tokens(b) for b in batches.values())
   from fbos_jax.rl import update as update_lib
   return update_lib.place_batches(batches, mesh, rules), {"update/real_token_frac": real / max(positions, 1)}
