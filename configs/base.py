@@ -437,7 +437,7 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.rl.sync_chunk_mib = 512  # weight sync: the most MiB of params copied at once
   c.rl.sync_timeout_s = 600.0  # a weight / batch transfer between processes that takes longer fails
   # the rollout mesh's axes when split (0 = as mesh.*): e.g. tensor=2 gives a 16-chip
-  # rollout of 8 hosts 8 batch shards, one per host, as the continuous engine needs
+  # rollout of 4 whole hosts (4 chips each) 8 batch shards, 2 per host
   c.rl.rollout_mesh = mlc.ConfigDict(dict(dcn=0, data=0, fsdp=0, tensor=0))
 
   c.optim = mlc.ConfigDict()

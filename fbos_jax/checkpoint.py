@@ -484,13 +484,21 @@ def _check_model(saved: dict, want: dict, where: str):
         "Use another --workdir or the matching config.")
 
 
+# layout fields the state no longer has, with the value that meant "none of it":
+# a checkpoint that recorded that value resumes, any other is refused by name
+_RETIRED_LAYOUT = {"rl.staleness": 0}  # the simulated stale-params history (issue 31)
+
+
 def _check_layout(saved: Optional[dict], want: Optional[dict], where: str):
   """The fields that shape the rest of the TrainState (``fbos_jax.rl.state.layout``)
   must match for a resume: raise naming each one and both values. Checkpoints
   written before the layout was recorded are not checked."""
   if not saved or not want:
     return
-  diff = {k: (saved[k], want[k]) for k in set(saved) & set(want) if saved[k] != want[k]}
+  retired_unused = lambda k: (k not in want and k in _RETIRED_LAYOUT
+                              and saved[k] == _RETIRED_LAYOUT[k])
+  diff = {k: (saved.get(k), want.get(k)) for k in set(saved) | set(want)
+          if saved.get(k) != want.get(k) and not retired_unused(k)}
   if diff:
     fields = ", ".join(f"{k}: checkpoint={a!r} config={b!r}" for k, (a, b) in sorted(diff.items()))
     raise CheckpointMismatchError(

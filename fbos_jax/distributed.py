@@ -491,9 +491,11 @@ def _is_number(v) -> bool:
   return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
 
 
-def mean_over_processes(metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
+def mean_over_processes(metrics: dict, sum_keys: Sequence[str] = (),
+                        max_keys: Sequence[str] = ()) -> dict:
   """Reduce the numeric metrics of this side's processes: the mean (hosts have
-  equal local batches), or the sum for ``sum_keys`` (counts, throughput). A
+  equal local batches), the sum for ``sum_keys`` (counts, throughput), the
+  largest for ``max_keys``. A
   metric some hosts lack (e.g. round-2 stats on a host that sampled no round 2)
   is averaged over the hosts that have it. Floats travel exactly (as hex)."""
   if process_count() == 1:
@@ -501,10 +503,11 @@ def mean_over_processes(metrics: dict, sum_keys: Sequence[str] = ()) -> dict:
   mine = {k: float(v).hex() for k, v in metrics.items() if _is_number(v)}
   every = allgather_json(mine)
   out = dict(metrics)
-  sums = set(sum_keys)
+  sums, maxes = set(sum_keys), set(max_keys)
   for k in sorted(set().union(*every)):
     col = np.asarray([float.fromhex(d[k]) for d in every if k in d], np.float64)
-    out[k] = float(np.nansum(col) if k in sums else np.nanmean(col))
+    out[k] = float(np.nansum(col) if k in sums else np.nanmax(col) if k in maxes
+                   else np.nanmean(col))
   return out
 
 

@@ -506,9 +506,9 @@ def probe_warm_start(trainer, params, batches: int) -> dict:
   """Round 1 and a FAP round 2 (``fap_mode=single``) on ``batches`` training
   batches, no update: rates averaged over batches, fix rates pooled over rows."""
   import jax
-  from fbos_jax.rl import rollout as rollout_lib
-  rows = [rollout_lib.probe_step(trainer.ctx, params, next(trainer.train_iter),
-                                 jax.random.fold_in(jax.random.key(2024), s), fap_mode="single")
+  from fbos_jax.rl import rounds
+  rows = [rounds.probe_step(trainer.ctx, params, next(trainer.train_iter),
+                            jax.random.fold_in(jax.random.key(2024), s), fap_mode="single")
           for s in range(batches)]
   out = {"batches": batches}
   for k in ("reward/round1_solved", "groups/all_fail_frac", "groups/all_equal_frac",

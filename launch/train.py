@@ -52,7 +52,7 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   if FLAGS.dry_run and FLAGS.init_from_hf:  # plan the checkpoint's real architecture
-    from fbos_jax.rl.run import with_checkpoint_model
+    from fbos_jax.rl.config import with_checkpoint_model
     config = with_checkpoint_model(config, FLAGS.init_from_hf)
   if FLAGS.dry_run and FLAGS.topology:
     return _compiled_dry_run(config, FLAGS.topology)

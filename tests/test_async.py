@@ -439,7 +439,7 @@ def test_weight_sync_copies_shard_by_shard_in_chunks(n_src, n_dst, src_mesh, dst
 def test_split_with_the_continuous_engine_and_recompute(tmp_path, small):
   """The continuous engine on the rollout mesh, eta = 1, ``recompute``: the worker's
   rounds take weight updates between decode windows; every trained token has a
-  version within eta (the ledger finds every engine row again)."""
+  version within eta (every engine row carries the versions of its tokens)."""
   c = small("configs/fbos.py:tiny", **{
       "train.steps": 3, "rl.rollout_devices": 4, "rl.max_staleness": 1,
       "rl.inflight_update": "recompute", "sampling.engine": "continuous",

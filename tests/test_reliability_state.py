@@ -216,3 +216,17 @@ def test_console_quiet_by_default_and_full_log_in_workdir(tmp_path, clean_loggin
   assert console.parse_verbosity("debug") == logging.DEBUG
   with pytest.raises(ValueError, match="verbosity"):
     console.parse_verbosity("loud")
+
+
+def test_a_layout_field_the_state_no_longer_has_resumes_only_at_its_none_value():
+  """rl.staleness (the simulated stale-params history, removed) recorded as 0
+  held nothing: such a checkpoint resumes. Recorded > 0 it held a history this
+  state has no place for: refused, naming the field, as is any one-sided field."""
+  want = {"rl.kl_beta > 0": False, "optim.grad_clip > 0": True}
+  ckpt_lib._check_layout(dict(want, **{"rl.staleness": 0}), want, "W")
+  with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"rl.staleness: checkpoint=2 config=None"):
+    ckpt_lib._check_layout(dict(want, **{"rl.staleness": 2}), want, "W")
+  with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"rl.new_part: checkpoint=None config=1"):
+    ckpt_lib._check_layout(want, dict(want, **{"rl.new_part": 1}), "W")
+  with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"rl.kl_beta > 0: checkpoint=True"):
+    ckpt_lib._check_layout(dict(want, **{"rl.kl_beta > 0": True}), want, "W")

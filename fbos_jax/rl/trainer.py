@@ -104,16 +104,16 @@ class RLTrainer:
 
   def _make_source(self, rollout_mesh, colocated: bool):
     """The rollout source of the config (see :mod:`fbos_jax.rl.sources`)."""
-    if self.sides:
-      from fbos_jax.rl import remote
-      return remote.ProcessSource(self.config, self.parts, self.sides, rollout_mesh,
-                                  self.rules)
     if not self.acfg.enabled:
       return sources.InlineSource(self.ctx, self.train_iter)
     split_lib.check_rows(self.parts, self.mesh, rollout_mesh, self.rules)
     hbm = split_lib.hbm_bytes(self.mesh)
     if hbm and not colocated:
       split_lib.check_split_fits(self.parts, self.mesh, rollout_mesh, self.rules, hbm)
+    if self.sides:  # the rollout in processes of its own
+      from fbos_jax.rl import remote
+      return remote.ProcessSource(self.config, self.parts, self.sides, rollout_mesh,
+                                  self.rules)
     wctx = RolloutContext.build(self.config, self.workdir, mesh=rollout_mesh,
                                 tokenizer=self.ctx.tokenizer, check_budget=False)
     return sources.ThreadSource(wctx, self.train_iter, self.acfg, rollout_mesh=rollout_mesh,
@@ -241,7 +241,9 @@ class RLTrainer:
     m.update({"time/update_s": t2 - t1, "time/step_s": t2 - t0,
               "tokens/per_s": m["tokens/generated"] / max(m["time/rollout_s"], 1e-9),
               "nonfinite_steps": int(state.nonfinite_steps)})
-    m = distributed.mean_over_processes(m, sum_keys=SUM_METRICS)
+    m = distributed.mean_over_processes(
+        m, sum_keys=SUM_METRICS + tuple(k for k in m if k.startswith("staleness/hist_")),
+        max_keys=("staleness/max",))
     self.guard.annotate(m, ids, step + 1)
     return state, m
 
