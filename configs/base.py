@@ -85,10 +85,19 @@ _TINY_RUN = {
     "rl.prompts_per_step": 16, "rl.group_size": 8, "rl.round2_size": 8,
     "rl.epa_max_per_prompt": 8,
     "rl.fixed_row_buckets": True,  # compiles cost more than padded rows at this size
-    # with sampling.engine=continuous: 111 engine programs (187 with rl.stream_rounds)
-    # where powers of two give 268 (562), whose loaded kernels pass the CPU's
-    # vm.max_map_count (fbos_jax/compile_set.py:MapBudget)
-    "engine.bucket_growth": 4,
+    # with sampling.engine=continuous: a slot for every row of a round (P*n = P*m =
+    # 128), nothing staged, and buckets that pad as the static sampler's do (on a
+    # CPU a decode step costs in proportion to rows x positions): rows 16 / 64
+    # (round 2 samples only the failed rollouts' FAPs, ~64) / 128; page tables of
+    # 2 pages (round 1) and of the FAP buckets 128, 256 and 656 plus the 12 new
+    # tokens (9, 17, 42 pages of 16); prefill chunks of those prompt buckets. 72
+    # engine programs (114 with rl.stream_rounds) where powers of two give 268
+    # (562), whose loaded kernels pass the CPU's vm.max_map_count
+    # (fbos_jax/compile_set.py:MapBudget); with one 128-row bucket and 8x steps
+    # elsewhere (43 programs) round 2 took 5x the static sampler's time.
+    "engine.slots": 128, "engine.staged": 0, "engine.row_buckets": (16, 64, 128),
+    "engine.page_buckets": (2, 9, 17, 42), "engine.prefill_chunk": 656,
+    "engine.prefill_buckets": (16, 128, 256, 656), "engine.bucket_growth": 8,  # page copies
     # Adam's step (about lr per coordinate) must stay inside the small region
     # where the policy-gradient loss still falls: 3e-4 already lowered the reward.
     "optim.learning_rate": 1e-4, "optim.schedule": "cosine", "optim.warmup_steps": 5,

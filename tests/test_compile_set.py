@@ -263,6 +263,8 @@ def test_plan_counts_the_compile_set(one_device_mesh):
       "sample_round1 (static sampler)": 2, "sample_round2 (static sampler)": 15,
       "eval_greedy (static sampler)": 2, "eval_sampled (static sampler)": 2, "update": 10}
   c.sampling.engine = "continuous"
+  # the default buckets (tiny sets its own, which bucket_growth leaves alone)
+  c.engine.row_buckets = c.engine.page_buckets = c.engine.prefill_buckets = ()
   counts = {}
   for g in (2, 0):
     c.engine.bucket_growth = g

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 
 import configs
+from fbos_jax.engine import types as engine_types
 
 
 def small_config(spec: str, **overrides):
@@ -39,6 +40,11 @@ def small_config(spec: str, **overrides):
   # (the tiny default task, sorting 4-10 digits, runs in test_default_task_runs)
   c.data.task = "arithmetic"
   c.data.difficulty, c.data.max_difficulty = 1, 2
+  # the engine at its library defaults, powers of four (tiny's slots and buckets
+  # are sized for its 128-row rounds and 656-token FAPs)
+  for k, v in engine_types.engine_config_defaults().items():
+    c.engine[k] = v
+  c.engine.bucket_growth = 4
   for dotted, value in overrides.items():
     configs.set_field(c, dotted, value)
   return c
