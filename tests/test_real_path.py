@@ -121,3 +121,23 @@ def test_eval_of_a_checkpoint_stops_where_training_stops(checkpoint_dir, tmp_pat
   want = hf.generation_stop_ids(checkpoint_dir)
   assert len(want) >= 2 and set(want) <= set(seen[0])
   assert seen[0] == seen[1]
+
+
+def test_dry_run_plans_the_checkpoints_architecture(checkpoint_dir):
+  """``--dry_run --init_from_hf=DIR`` plans the checkpoint's real model (here 2
+  layers, hidden 64, the real 151,936-token vocabulary), not the config's."""
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run(
+      [sys.executable, "launch/train.py", "--config=configs/fbos.py:qwen3_smoke", "--dry_run",
+       "--mesh_devices=1", f"--init_from_hf={checkpoint_dir}"], cwd=root, capture_output=True,
+      text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-2000:]
+  from fbos_jax.model import qwen
+  from fbos_jax.rl.config import with_checkpoint_model
+  want = qwen.count_params(qwen.abstract_params(qwen.ModelConfig.from_dict(
+      with_checkpoint_model(smoke_config(), checkpoint_dir).model)))
+  assert want != qwen.count_params(qwen.abstract_params(qwen.ModelConfig.from_dict(
+      smoke_config().model)))  # the config alone plans another model
+  assert f"params: {want:,}" in out.stdout, out.stdout[-2000:]
