@@ -128,7 +128,7 @@ _TINY_CHAIN_RUN = {
     "data.feedback_may_reveal_answer": False,  # refuse at start a feedback that names it
     "sampling.max_new_tokens": 12,  # 4 results of 2 digits, 3 commas, EOS
     "sampling.prompt_buckets": (16,),  # 14 characters
-    # the longest FAP (fbos_jax/rl/env.py:longest_fap_tokens): problem 14 + response
+    # the longest FAP (fbos_jax/rl/fap_budget.py:longest_fap_tokens): problem 14 + response
     # 12 x 5 = 60 (the token "</EF>") + feedback 59 (nothing of the response is
     # echoed) + 2 = 135 tokens; 87 with one-character tokens. Real FAPs: ~40. 256 and
     # 384 serve GOLF's aggregated prompts: up to 8 failed attempts of ~30 tokens each.

@@ -75,14 +75,20 @@ def define_console_verbosity():
                              "| warning | error); the full log always goes to WORKDIR/log.txt.")
 
 
+def define_config_flag(lock_config: bool = False):
+  """``--config`` (an ml_collections config file with ``--config.a.b=v``
+  overrides), defined once for every launcher. Returns its holder (``.value``)."""
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  return config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/fbos.py:tiny",
+                                         lock_config=lock_config)
+
+
 def define_checkpoint_flags():
   """The flags of a launcher that reads a trained run (eval, export), defined once:
   ``--config``, ``--workdir``, ``--step``, ``--init_from_hf`` and ``--console_verbosity``.
   Returns the config flag's holder (``.value``: the ConfigDict with overrides)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
-  config = config_flags.DEFINE_config_file("config", None,
-                                           "Config file, e.g. configs/fbos.py:tiny")
+  config = define_config_flag()
   flags.DEFINE_string("workdir", None, "Training workdir holding checkpoints/.")
   flags.DEFINE_integer("step", -1, "Checkpoint step (-1 = latest).")
   flags.DEFINE_string("init_from_hf", "", "The HF checkpoint directory the run started from "

@@ -308,14 +308,6 @@ class ProgramReport:
     (the train state while a sampler runs)."""
     return self.argument + self.output - self.alias + self.temp + self.code + self.resident
 
-  def as_json(self) -> dict:
-    return {"peak_bytes": self.peak if not self.error else None, "flops": self.flops,
-            "xla_flops_per_device_loop_bodies_once": self.xla_flops,
-            "resident_bytes": self.resident,
-            "argument_bytes": self.argument, "output_bytes": self.output,
-            "alias_bytes": self.alias, "temp_bytes": self.temp, "code_bytes": self.code,
-            "error": self.error or None}
-
 
 _OOM_RE = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
 

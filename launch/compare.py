@@ -601,7 +601,7 @@ def main(argv):
   os.makedirs(FLAGS.workdir, exist_ok=True)
   labels = selected_arms()
   seeds = list(range(1 if FLAGS.quick else FLAGS.seeds))
-  meta = {"command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
+  meta = {"command": " ".join(shlex.quote(a) for a in ["python"] + sys.argv),
           "note": FLAGS.note, "machine": {"start": machine_state()}, "variant": FLAGS.variant,
           "arms": {l: dataclasses.asdict(ARMS[l]) for l in labels}}
   base_cfg = shared_setup(load_config(REFERENCE, FLAGS.variant), FLAGS.quick)

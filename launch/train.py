@@ -13,8 +13,7 @@ from fbos_jax import cli
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/fbos.py:tiny",
-                                          lock_config=True)
+_CONFIG = cli.define_config_flag(lock_config=True)
 flags.DEFINE_string("workdir", None, "Where checkpoints, metrics, plots and caches go.")
 flags.DEFINE_bool("dry_run", False, "Plan without training or allocating: with --topology, "
                   "compile every program of a step for that TPU topology and print XLA's "

@@ -31,9 +31,6 @@ class PageAllocator:
     """Pages that can be handed out, all shards (null pages excluded)."""
     return self.shards * (self.pages_per_shard - 1)
 
-  def free_pages(self, shard: int) -> int:
-    return len(self._free[shard])
-
   def in_use(self) -> int:
     return self.capacity - sum(len(f) for f in self._free)
 
