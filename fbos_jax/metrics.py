@@ -55,13 +55,15 @@ class MetricsWriter:
   the restored step (0 without a checkpoint) is all a resume needs.
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, filename: str = "metrics.jsonl"):
+  def __init__(self, workdir: str, *, enabled: bool = True, filename: str = "metrics.jsonl",
+               tensorboard: bool = True):
     self.enabled = enabled
     self.path = os.path.join(workdir, filename)
     self._tb = None
     self._started = False
     if enabled:
       os.makedirs(workdir, exist_ok=True)
+    if enabled and tensorboard:
       try:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(os.path.join(workdir, "tb"))
