@@ -436,19 +436,24 @@ def test_weight_sync_copies_shard_by_shard_in_chunks(n_src, n_dst, src_mesh, dst
   assert total == n_dst * (32 + 96) + 24 * 16 * 4 * n_dst // dm.shape["tensor"]
 
 
+def _engine_split_run(tmp_path, small, steps: int, **over):
+  """The tiny config shrunk, the continuous engine (8 slots) on a 4-device
+  rollout mesh, eta = 1, trained ``steps`` steps: (final state, metrics rows)."""
+  c = small("configs/fbos.py:tiny", **{
+      "train.steps": steps, "rl.rollout_devices": 4, "rl.max_staleness": 1,
+      "sampling.engine": "continuous", "engine.slots": 8, "engine.window": 2,
+      "engine.page_size": 8, "data.verifier": "fbos_jax.testing.small:parity_reward", **over})
+  tr = RLTrainer(c, str(tmp_path))
+  state, _ = tr.train()
+  tr.close()
+  return state, metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+
+
 def test_split_with_the_continuous_engine_and_recompute(tmp_path, small):
   """The continuous engine on the rollout mesh, eta = 1, ``recompute``: the worker's
   rounds take weight updates between decode windows; every trained token has a
   version within eta (every engine row carries the versions of its tokens)."""
-  c = small("configs/fbos.py:tiny", **{
-      "train.steps": 3, "rl.rollout_devices": 4, "rl.max_staleness": 1,
-      "rl.inflight_update": "recompute", "sampling.engine": "continuous",
-      "engine.slots": 8, "engine.window": 2, "engine.page_size": 8,
-      "data.verifier": "fbos_jax.testing.small:parity_reward"})
-  tr = RLTrainer(c, str(tmp_path))
-  state, _ = tr.train()
-  tr.close()
-  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  state, rows = _engine_split_run(tmp_path, small, 3, **{"rl.inflight_update": "recompute"})
   assert int(state.step) == 3 and max(r["staleness/max"] for r in rows) <= 1
   assert sum(r["staleness/hist_1"] for r in rows) > 0
   assert all(r["rollout/windows"] > 0 for r in rows)
@@ -458,15 +463,7 @@ def test_streamed_rounds_with_the_engine_in_the_asynchronous_loop(tmp_path, smal
   """Issue 34: rl.stream_rounds=True with the continuous engine on the rollout
   thread, eta = 1, keep_kv: the streamed path carries every token's version, so
   the step trains (it used to stop with "row 0 ... never recorded")."""
-  c = small("configs/fbos.py:tiny", **{
-      "train.steps": 2, "rl.rollout_devices": 4, "rl.max_staleness": 1,
-      "sampling.engine": "continuous", "rl.stream_rounds": True,
-      "engine.slots": 8, "engine.window": 2, "engine.page_size": 8,
-      "data.verifier": "fbos_jax.testing.small:parity_reward"})
-  tr = RLTrainer(c, str(tmp_path))
-  state, _ = tr.train()
-  tr.close()
-  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  state, rows = _engine_split_run(tmp_path, small, 2, **{"rl.stream_rounds": True})
   assert int(state.step) == 2 and max(r["staleness/max"] for r in rows) <= 1
   assert all(r["round2/rollouts"] > 0 and r["rollout/windows"] > 0 for r in rows)
 
@@ -476,14 +473,7 @@ def test_the_engine_admits_the_next_steps_prompts_before_a_step_drains(tmp_path,
   whole loop, step k + 1's prompts admitted while step k still decodes (AReaL's
   streaming: generation never drains between steps), slot utilisation over the
   run reported, every trained token within eta."""
-  c = small("configs/fbos.py:tiny", **{
-      "train.steps": 4, "rl.rollout_devices": 4, "rl.max_staleness": 1,
-      "sampling.engine": "continuous", "engine.slots": 8, "engine.window": 2,
-      "engine.page_size": 8, "data.verifier": "fbos_jax.testing.small:parity_reward"})
-  tr = RLTrainer(c, str(tmp_path))
-  state, _ = tr.train()
-  tr.close()
-  rows = metrics_lib.read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  state, rows = _engine_split_run(tmp_path, small, 4)
   assert int(state.step) == 4 and max(r["staleness/max"] for r in rows) <= 1
   assert any(r["rollout/steps_beside"] > 0 for r in rows)  # admitted beside a step in flight
   assert all(0 < r["rollout/slot_util"] <= 1 for r in rows)
