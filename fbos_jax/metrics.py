@@ -64,11 +64,7 @@ class MetricsWriter:
     if enabled:
       os.makedirs(workdir, exist_ok=True)
     if enabled and tensorboard:
-      try:
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"))
-      except Exception:  # tensorboardX missing: JSONL still works
-        self._tb = None
+      self._tb = _EventFile.open(os.path.join(workdir, "tb"))
 
   def _start(self, step: int) -> None:
     """Drops rows at or past ``step`` (re-run now) and any torn last line."""
@@ -96,38 +92,90 @@ class MetricsWriter:
       return
     if not self._started:
       self._start(int(step))
-    row = {"step": int(step)}
+    row, scalars = {"step": int(step)}, {}
     for k, v in metrics.items():
       f = _scalar(v)
       if f is not None:
         row[k] = f if math.isfinite(f) else str(f)
-        if self._tb is not None and math.isfinite(f) and self._tb_alive():
-          self._tb.add_scalar(tensorboard_tag(k), f, int(step))
+        if math.isfinite(f):
+          scalars[tensorboard_tag(k)] = f
       elif isinstance(v, (str, list)):
         row[k] = v
+    if self._tb is not None and scalars:
+      self._tb_write(int(step), scalars)
     line = json.dumps(row) + "\n"
     with open(self.path, "a") as f:
       f.write(line)
       f.flush()
       os.fsync(f.fileno())
 
-  def _tb_alive(self) -> bool:
-    """Whether tensorboardX's writer thread still runs. An OSError (a full disk) ends
-    that thread, and its bounded queue then blocks every later ``add_scalar`` and
-    ``close`` forever: once it is gone, TensorBoard is dropped with one warning
-    (metrics.jsonl goes on, or fails loudly, on its own)."""
-    fw = getattr(self._tb, "file_writer", None)
-    worker = getattr(getattr(fw, "event_writer", None), "_worker", None)
-    if worker is None or worker.is_alive():
-      return True
-    logging.warning("TensorBoard's writer stopped (is %s full?); no more TensorBoard events, "
-                    "metrics.jsonl continues", os.path.join(os.path.dirname(self.path), "tb"))
-    self._tb = None
-    return False
+  def _tb_write(self, step: int, scalars: dict) -> None:
+    """One TensorBoard event of the step's scalars, written and flushed here. An
+    OSError (a full disk) drops TensorBoard with one warning; metrics.jsonl goes on,
+    or fails loudly, on its own."""
+    try:
+      self._tb.write(step, scalars)
+    except OSError as e:
+      logging.warning("writing TensorBoard's event file failed (%s); no more TensorBoard "
+                      "events, metrics.jsonl continues", e)
+      self._tb.abandon()
+      self._tb = None
 
   def close(self):
-    if self._tb is not None and self._tb_alive():
-      self._tb.close()
+    if self._tb is not None:
+      try:
+        self._tb.close()
+      except OSError as e:
+        logging.warning("closing TensorBoard's event file failed: %s", e)
+      self._tb = None
+
+
+class _EventFile:
+  """A TensorBoard event file written synchronously: one ``Event`` per step with
+  all of the step's scalars, flushed at once (tensorboardX's record format).
+
+  Not ``tensorboardX.SummaryWriter``: its writer thread dies on an OSError (a
+  full disk) and its bounded queue then blocks ``add_scalar`` forever, also when
+  the thread dies while the caller already waits for a slot (a hang no liveness
+  check before the call can see). Here a failed write raises in the caller."""
+
+  def __init__(self, writer, event_pb2, summary_pb2):
+    self._w, self._event, self._summary = writer, event_pb2.Event, summary_pb2.Summary
+
+  @classmethod
+  def open(cls, logdir: str) -> Optional["_EventFile"]:
+    """The event file in ``logdir``, or None without tensorboardX (JSONL works)."""
+    try:
+      from tensorboardX.event_file_writer import EventsWriter  # pylint: disable=g-import-not-at-top
+      from tensorboardX.proto import event_pb2, summary_pb2  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      return None
+    try:
+      os.makedirs(logdir, exist_ok=True)
+      return cls(EventsWriter(os.path.join(logdir, "events")), event_pb2, summary_pb2)
+    except OSError as e:
+      logging.warning("no TensorBoard events: %s cannot be written (%s); metrics.jsonl only",
+                      logdir, e)
+      return None
+
+  def write(self, step: int, scalars: dict) -> None:
+    values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+    self._w.write_event(self._event(wall_time=time.time(), step=step,
+                                    summary=self._summary(value=values)))
+    self._w.flush()
+
+  def close(self) -> None:
+    self._w.close()
+
+  def abandon(self) -> None:
+    """Close the file after a failed write (a full disk): its descriptor is released
+    even though the flush of what is buffered fails again."""
+    for close in (self._w.close, self._w._py_recordio_writer.close):  # pylint: disable=protected-access
+      try:
+        close()
+        return
+      except OSError:
+        pass
 
 
 def _step_of(row: dict) -> float:

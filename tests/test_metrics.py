@@ -50,30 +50,65 @@ def test_the_sweep_picks_the_best_stable_rate_and_refuses_when_none_is_stable():
                              "3e-05": {"final_sampled": 0.3, "drop_greedy": -0.2}}) is None
 
 
-def test_a_dead_tensorboard_writer_does_not_block_the_run(tmp_path):
-  """tensorboardX's writer thread dies on an OSError (a full disk); its bounded queue
-  would then block add_scalar and close forever. The writer drops TensorBoard instead
-  and metrics.jsonl goes on."""
-  import threading
-  from fbos_jax import metrics as metrics_lib
-  w = metrics_lib.MetricsWriter(str(tmp_path))
-  ew = w._tb.file_writer.event_writer
+def _events(logdir):
+  """The (step, {tag: value}) of every scalar event in ``logdir``'s event files
+  (TFRecord: length, its crc, the Event proto, its crc)."""
+  import glob
+  import struct
+  from tensorboardX.proto import event_pb2
+  out = []
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    data = open(path, "rb").read()
+    i = 0
+    while i < len(data):
+      (n,) = struct.unpack("Q", data[i:i + 8])
+      ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+      i += 12 + n + 4
+      if ev.HasField("summary"):
+        out.append((ev.step, {v.tag: v.simple_value for v in ev.summary.value}))
+  return out
 
-  def fail(*a, **k):
-    raise OSError(28, "No space left on device")
-  ew._ev_writer.write_event = fail  # the next event kills the writer thread
-  w._tb.add_scalar("x", 1.0, 0)
-  ew._worker.join(timeout=30)
-  assert not ew._worker.is_alive()
+
+def test_tensorboard_events_hold_every_steps_finite_scalars(tmp_path):
+  w = metrics_lib.MetricsWriter(str(tmp_path))
+  w.write(1, {"reward/round1": 0.25, "eval/pass@4": 0.5, "bad": float("nan"), "s": "text"})
+  w.write(2, {"reward/round1": 0.5})
+  w.close()
+  assert _events(tmp_path / "tb") == [(1, {"reward/round1": 0.25, "eval/pass_at_4": 0.5}),
+                                      (2, {"reward/round1": 0.5})]
+
+
+def test_a_full_disk_under_tensorboard_drops_it_and_metrics_go_on(tmp_path, caplog):
+  """Before: tensorboardX's writer thread died on the OSError (a full disk) and its
+  bounded queue then blocked add_scalar forever, also when the caller was already
+  waiting for a slot as the thread died (the CI hang of the full-disk test). The
+  event file is now written in the caller: the error drops TensorBoard with one
+  warning and metrics.jsonl goes on."""
+  import logging
+  import threading
+  w = metrics_lib.MetricsWriter(str(tmp_path))
+  w.write(1, {"a": 1.0})
+  raw = w._tb._w._py_recordio_writer._writer
+
+  class Full:
+    def __getattr__(self, name):
+      return getattr(raw, name)
+
+    def write(self, data):
+      raise OSError(28, "No space left on device")
+  w._tb._w._py_recordio_writer._writer = Full()
   done = threading.Event()
 
   def run():
-    for step in range(1, 50):  # far past the queue's 10 slots
+    for step in range(2, 50):  # far past tensorboardX's queue of 10
       w.write(step, {"a": float(step), "b": 2.0})
     w.close()
     done.set()
-  threading.Thread(target=run, daemon=True).start()
-  assert done.wait(60), "a metrics write blocked on the dead TensorBoard writer"
-  assert w._tb is None
+  with caplog.at_level(logging.WARNING):
+    threading.Thread(target=run, daemon=True).start()
+    assert done.wait(60), "a metrics write blocked on the full disk's TensorBoard file"
+  assert w._tb is None and raw.closed
+  assert len([r for r in caplog.records if "TensorBoard" in r.getMessage()]) == 1
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in rows] == list(range(1, 50))
+  assert _events(tmp_path / "tb") == [(1, {"a": 1.0})]

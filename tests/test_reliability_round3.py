@@ -430,6 +430,21 @@ def _small_tmpfs_command(mountpoint, size, argv):
   return wrap + list(argv) if probe.returncode == 0 else None
 
 
+def _run_or_dump_stacks(cmd, timeout):
+  """``cmd`` run to its end; past ``timeout`` it gets SIGABRT and the test fails with
+  every thread's stack (faulthandler) instead of a bare timeout."""
+  import signal
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=dict(ENV, PYTHONFAULTHANDLER="1"))
+  try:
+    stdout, stderr = proc.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.send_signal(signal.SIGABRT)
+    stdout, stderr = proc.communicate(timeout=60)
+    pytest.fail(f"the run hung for {timeout} s; its threads:\n" + stderr[-6000:])
+  return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def test_a_real_full_disk_ends_the_run_with_the_cause_last(tmp_path):
   """Before: on a real full disk the CheckpointSaveError came on line 712 of 1,047,
   followed by ~335 lines of orbax's "Event loop is closed" and, last, an unrelated
@@ -447,7 +462,7 @@ def test_a_real_full_disk_ends_the_run_with_the_cause_last(tmp_path):
   if cmd is None:
     pytest.skip("cannot mount a small tmpfs here (no unshare, or user and mount namespaces "
                 "are not allowed)")
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+  out = _run_or_dump_stacks(cmd, timeout=600)
   lines = out.stderr.strip().splitlines()
   assert out.returncode != 0 and lines, out.stdout[-2000:]
   last = lines[-1]

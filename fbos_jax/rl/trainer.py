@@ -299,6 +299,9 @@ class RLTrainer:
                     rl_seconds=self.rl_seconds_before + time.perf_counter() - t_loop)
         if on_step is not None:
           on_step(s, state, m)
+    except OSError:  # a full disk: a save that failed on it is the error to report, as it
+      self.ckpt.wait()  # names the last complete checkpoint (metrics.jsonl's error chained)
+      raise
     finally:
       self.source.stop()
     self.ckpt.wait()
