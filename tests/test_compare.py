@@ -1,5 +1,6 @@
-"""launch/compare.py --quick: a smoke test that the comparison writes its files
-(the numbers of a 1-layer model after 20 SFT steps mean nothing)."""
+"""A comparison (fbos_jax/experiments/compare.py): its tables, the sweep's pick, a
+--resume's check; and launch/compare.py --quick, a smoke test that the comparison
+writes its files (the numbers of a 1-layer model after 20 SFT steps mean nothing)."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from fbos_jax.experiments import compare as cmp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,38 +50,28 @@ def _rows(steps, per_step, acc0, gain, **per):
   return rows
 
 
-def _compare_module():
-  """launch/compare.py as a module, loaded once (its absl flags can be defined once)."""
-  if "compare_mod" in sys.modules:
-    return sys.modules["compare_mod"]
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("compare_mod",
-                                                os.path.join(ROOT, "launch", "compare.py"))
-  cmp = importlib.util.module_from_spec(spec)
-  sys.modules["compare_mod"] = cmp
-  spec.loader.exec_module(cmp)
-  return cmp
-
-
 def test_partial_outputs_say_so(tmp_path):
   """While a comparison runs, its files are rewritten after every run and say
   how many runs they hold; --resummarize keeps the label."""
-  cmp = _compare_module()
-  cmp.FLAGS(["compare", f"--workdir={tmp_path}"])
   results = [{"label": "grpo", "seed": 0, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"}]
   sft = {"eval/accuracy": 0.5, "eval/length": 8.0}
-  cmp.write_outputs(results, sft, 256, 1, 60.0, meta={"partial": "1 of 9 runs"}, quiet=True)
+  cmp.write_outputs(str(tmp_path), results, sft, 256, 1, 60.0, meta={"partial": "1 of 9 runs"},
+                    quiet=True)
   assert "PARTIAL: 1 of 9 runs" in (tmp_path / "compare.md").read_text()
   assert json.loads((tmp_path / "compare.json").read_text())["partial"] == "1 of 9 runs"
-  cmp.write_outputs(results, sft, 256, 1, 60.0, meta={}, quiet=True)
+  cmp.resummarize(str(tmp_path))
+  assert "PARTIAL: 1 of 9 runs" in (tmp_path / "compare.md").read_text()
+  cmp.write_outputs(str(tmp_path), results, sft, 256, 1, 60.0, meta={}, quiet=True)
   assert "PARTIAL" not in (tmp_path / "compare.md").read_text()
 
 
-def _identity(cmp, **over):
-  cmp.FLAGS.unparse_flags()
-  cmp.FLAGS(["compare", "--workdir=/unused", "--variant=tiny_chain", "--arms=grpo,fbos",
-             "--lrs=1e-5,3e-5", *[f"--{k}={v}" for k, v in over.items()]])
-  return cmp.identity(256, 5)
+def _options(**over):
+  return cmp.Options(**{"workdir": "/unused", "variant": "tiny_chain", "arms": ("grpo", "fbos"),
+                        "lrs": (1e-5, 3e-5), **over})
+
+
+def _identity(**over):
+  return cmp.identity(_options(**over), 256, 5)
 
 
 def test_resume_keeps_finished_runs_and_refuses_another_comparison(tmp_path):
@@ -87,15 +80,13 @@ def test_resume_keeps_finished_runs_and_refuses_another_comparison(tmp_path):
   that changes a run (variant, budget, --set, --task, the sweep, an arm's
   definition), naming the field, instead of mixing the two (issue 34: another
   comparison's runs were kept and reported, exit 0)."""
-  cmp = _compare_module()
-  ident = _identity(cmp)
+  ident = _identity()
   arms = ident["arms"]
   results = [{"label": l, "seed": s, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"}
              for l, s in (("grpo", 0), ("fbos", 0), ("grpo", 1))]
   sweep = [{"label": "grpo", "seed": 0, "learning_rate": 1e-5, "rows": _rows(2, 128, 0.5, 0.1)}]
   sft = {"eval/accuracy": 0.5, "eval/length": 8.0}
-  cmp.FLAGS(["compare", f"--workdir={tmp_path}"])
-  cmp.write_outputs(results, sft, 256, 2, 60.0, quiet=True,
+  cmp.write_outputs(str(tmp_path), results, sft, 256, 2, 60.0, quiet=True,
                     meta={"variant": "tiny_chain", "arms": arms, "partial": "3 of 4 runs",
                           "identity": ident, "sweep_runs": sweep})
   meta = {"identity": ident}
@@ -104,54 +95,53 @@ def test_resume_keeps_finished_runs_and_refuses_another_comparison(tmp_path):
   assert kept_sweep == sweep and meta["resumed"]["wall_seconds_before"] == 60.0
   kept, _ = cmp.resumed_runs(str(tmp_path), dict(meta), ["fbos"], [0])
   assert [(r["label"], r["seed"]) for r in kept] == [("fbos", 0)]
-  for over, field in (({"variant": "tiny"}, "variant"), ({"set": "optim.weight_decay=0.1"}, "set"),
-                      ({"task": "sort"}, "task"), ({"lrs": "1e-5"}, "lrs"),
-                      ({"shared_warm_start": "true"}, "shared_warm_start")):
-    with pytest.raises(cmp.app.UsageError, match=f"was run with {field}="):
-      cmp.resumed_runs(str(tmp_path), {"identity": _identity(cmp, **over)}, ["grpo"], [0])
-  with pytest.raises(cmp.app.UsageError, match="budget_rollouts=256.*budget_rollouts=512"):
+  for over, field in (({"variant": "tiny"}, "variant"),
+                      ({"set": ("optim.weight_decay=0.1",)}, "set"),
+                      ({"task": "sort"}, "task"), ({"lrs": (1e-5,)}, "lrs"),
+                      ({"shared_warm_start": True}, "shared_warm_start")):
+    with pytest.raises(cmp.FlagError, match=f"was run with {field}="):
+      cmp.resumed_runs(str(tmp_path), {"identity": _identity(**over)}, ["grpo"], [0])
+  with pytest.raises(cmp.FlagError, match="budget_rollouts=256.*budget_rollouts=512"):
     cmp.resumed_runs(str(tmp_path), {"identity": dict(ident, budget_rollouts=512)}, ["grpo"], [0])
   other = dict(arms, fbos=dict(arms["fbos"], flavors="fap_all"))
-  with pytest.raises(cmp.app.UsageError, match="arm 'fbos'"):
+  with pytest.raises(cmp.FlagError, match="arm 'fbos'"):
     cmp.resumed_runs(str(tmp_path), {"identity": dict(ident, arms=other)}, ["fbos"], [0])
-  with pytest.raises(cmp.app.UsageError, match="does not exist"):
+  with pytest.raises(cmp.FlagError, match="does not exist"):
     cmp.resumed_runs(str(tmp_path / "nowhere"), dict(meta), ["grpo"], [0])
   # a kept run the verdict would refuse (an accuracy out of [0, 1]) is named, not kept
   path = tmp_path / "compare.json"
   data = json.loads(path.read_text())
   data["runs"][1]["rows"][-1]["eval/accuracy"] = 1.5
   path.write_text(json.dumps(data))
-  with pytest.raises(cmp.app.UsageError, match=r"cannot be kept: .*arm 'fbos', seed 0.*1\.5"):
+  with pytest.raises(cmp.FlagError, match=r"cannot be kept: .*arm 'fbos', seed 0.*1\.5"):
     cmp.resumed_runs(str(tmp_path), dict(meta), ["fbos"], [0])
   assert [r["label"] for r in cmp.resumed_runs(str(tmp_path), dict(meta), ["grpo"], [0])[0]] \
       == ["grpo"]                                  # the broken run not asked for: no matter
   path.write_text(path.read_text()[:200])         # a truncated file: named, line and column
-  with pytest.raises(cmp.app.UsageError, match=r"compare.json: not valid JSON at line"):
+  with pytest.raises(cmp.FlagError, match=r"compare.json: not valid JSON at line"):
     cmp.resumed_runs(str(tmp_path), dict(meta), ["grpo"], [0])
 
 
 def test_a_resume_of_another_comparison_is_refused_before_any_training(tmp_path):
   """The check runs before the warm starts (it used to come after them: minutes of
   SFT, then the refusal)."""
-  cmp = _compare_module()
-  cmp.FLAGS.unparse_flags()
-  cmp.FLAGS(["compare", f"--workdir={tmp_path}", "--variant=tiny_chain", "--arms=grpo",
-             "--resume", "--budget=256", "--eval_every=5"])
+  opts = cmp.Options(workdir=str(tmp_path), variant="tiny_chain", arms=("grpo",), resume=True,
+                     budget=256, eval_every=5)
   (tmp_path / "compare.json").write_text(json.dumps(
-      {"runs": [], "wall_seconds": 1.0, "identity": dict(cmp.identity(256, 5), variant="tiny")}))
+      {"runs": [], "wall_seconds": 1.0, "identity": dict(cmp.identity(opts, 256, 5),
+                                                         variant="tiny")}))
   called = []
   orig = cmp.warm_starts
-  cmp.warm_starts = lambda seeds: called.append(seeds)
+  cmp.warm_starts = lambda opts, seeds: called.append(seeds)
   try:
-    with pytest.raises(cmp.app.UsageError, match="was run with variant='tiny'"):
-      cmp.main(["compare"])
+    with pytest.raises(cmp.FlagError, match="was run with variant='tiny'"):
+      cmp.run(opts, command="python launch/compare.py --resume ...")
   finally:
     cmp.warm_starts = orig
   assert not called
 
 
 def test_the_sweep_table_picks_per_arm_and_reports_an_arm_with_no_stable_rate():
-  cmp = _compare_module()
   runs = []
   for label, lr, accs in (("grpo", 1e-5, [0.40, 0.39, 0.45]), ("grpo", 3e-5, [0.40, 0.38, 0.50]),
                           ("fbos", 1e-5, [0.40, 0.30, 0.45]), ("fbos", 3e-5, [0.40, 0.20, 0.5])):
@@ -169,7 +159,6 @@ def test_the_sweep_table_picks_per_arm_and_reports_an_arm_with_no_stable_rate():
 def test_summary_pools_fix_rates_and_labels_equal_step_arms():
   """The summary's fix rate per bucket is pooled over rows (a step with 1 row does
   not weigh like a step with 9), and equal-steps arms are labelled in every table."""
-  cmp = _compare_module()
   per = {"0": (lambda s: 1.0 if s == 1 else 0.0, lambda s: 1 if s == 1 else 9)}
   results = [{"label": "grpo", "seed": 0, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"},
              {"label": "fbos", "seed": 0, "rows": _rows(2, 128, 0.5, 0.2, **per),
@@ -212,3 +201,21 @@ def test_compare_quick_ablation_arms(tmp_path):
   md = (tmp_path / "compare.md").read_text()
   assert "pytest smoke run" in md and "(EQUAL STEPS)" in md and "grad norm ECC" in md
   assert (tmp_path / "compare.png").stat().st_size > 0
+
+
+def test_the_launcher_only_parses_flags(tmp_path):
+  """launch/compare.py --resummarize rebuilds compare.md from compare.json alone,
+  and an unknown arm is a usage error that names it (before any training)."""
+  results = [{"label": "grpo", "seed": 0, "rows": _rows(2, 128, 0.5, 0.1), "stop": "rollouts"}]
+  cmp.write_outputs(str(tmp_path), results, {"eval/accuracy": 0.5, "eval/length": 8.0}, 256, 1,
+                    60.0, meta={"command": "python launch/compare.py --arms=grpo"}, quiet=True)
+  md = (tmp_path / "compare.md").read_text()
+  (tmp_path / "compare.md").unlink()
+  run = lambda *a: subprocess.run([sys.executable, "launch/compare.py", *a], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=300,
+                                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  out = run("--resummarize", f"--workdir={tmp_path}")
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert (tmp_path / "compare.md").read_text() == md
+  out = run("--arms=grpo,nope", f"--workdir={tmp_path / 'bad'}")
+  assert out.returncode == 1 and "unknown arm(s) ['nope']" in out.stderr

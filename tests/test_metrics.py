@@ -39,7 +39,7 @@ def test_drop_from_start_is_the_lowest_eval_below_the_start():
 
 
 def test_the_sweep_picks_the_best_stable_rate_and_refuses_when_none_is_stable():
-  from fbos_jax.rl.evaluation import pick_learning_rate
+  from fbos_jax.experiments.compare import pick_learning_rate
   sweep = {"1e-05": {"final_sampled": 0.25, "drop_greedy": -0.01},
            "3e-05": {"final_sampled": 0.30, "drop_greedy": -0.02},
            "1e-04": {"final_sampled": 0.35, "drop_greedy": -0.15}}  # best, but unstable

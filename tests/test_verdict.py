@@ -1,17 +1,24 @@
-"""launch/verdict.py applies the pre-registered rule (docs/results/verdict_rule.md)
-to a comparison's compare.json: synthetic runs with known answers."""
+"""The verdict (fbos_jax/experiments/verdict.py, launch/verdict.py) applies the
+pre-registered rule (docs/results/verdict_rule.md) to a comparison's compare.json:
+synthetic runs with known answers."""
 
-import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+from fbos_jax.experiments import compare_file
+from fbos_jax.experiments import verdict as V
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("verdict_mod",
-                                               os.path.join(ROOT, "launch", "verdict.py"))
-V = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(V)
+
+
+def _verdict_cli(*args):
+  return subprocess.run([sys.executable, "launch/verdict.py", *args], cwd=ROOT,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
 def _run(label, seed, sampled, greedy=None, entropy=0.5, grad=1.0, per_step=128):
@@ -98,18 +105,17 @@ def test_two_fbos_arms_pick_the_default_only_beyond_the_band():
 
 
 def test_missing_reference_is_refused_by_name():
-  with pytest.raises(V.CompareError, match="no run of the reference arm 'grpo'"):
+  with pytest.raises(compare_file.CompareError, match="no run of the reference arm 'grpo'"):
     V.verdict(_data([_run("fbos", 0, [0.2, 0.3])]), "grpo")
 
 
 def test_cli_writes_json_md_png(tmp_path):
   runs = [_run(a, s, [0.2, 0.3 + 0.01 * s]) for a in ("grpo", "fbos") for s in range(2)]
   (tmp_path / "compare.json").write_text(json.dumps(_data(runs)))
-  from absl.testing import flagsaver
   out = tmp_path / "out"
-  with flagsaver.flagsaver(compare=str(tmp_path / "compare.json"), out=str(out)):
-    V.FLAGS(["verdict"], known_only=True)
-    V.main(["verdict"])
+  res = _verdict_cli(f"--compare={tmp_path / 'compare.json'}", f"--out={out}")
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "| `fbos` |" in res.stdout
   assert json.loads((out / "verdict.json").read_text())["seeds"] == [0, 1]
   assert (out / "verdict.png").stat().st_size > 0 and "| `fbos` |" in (out / "verdict.md").read_text()
 
@@ -154,20 +160,20 @@ def test_impossible_comparisons_are_refused_naming_file_run_and_key(tmp_path, mu
   data = _good()
   mutate(data)
   path = _write(tmp_path, data)
-  with pytest.raises(V.CompareError, match=match) as e:
-    V.load_compare(path)
+  with pytest.raises(compare_file.CompareError, match=match) as e:
+    compare_file.load_compare(path)
   assert str(e.value).startswith(path)
 
 
 def test_a_truncated_file_names_the_path_and_the_cli_exits_with_the_message(tmp_path):
   path = _write(tmp_path, None, text=json.dumps(_good())[:300])
-  with pytest.raises(V.CompareError, match=r"compare.json: not valid JSON at line 1.*truncated"):
-    V.load_compare(path)
-  from absl.testing import flagsaver
-  with flagsaver.flagsaver(compare=path, out=str(tmp_path / "out")):
-    V.FLAGS(["verdict"], known_only=True)
-    with pytest.raises(SystemExit, match="launch/verdict.py: .*compare.json: not valid JSON"):
-      V.main(["verdict"])
+  with pytest.raises(compare_file.CompareError,
+                     match=r"compare.json: not valid JSON at line 1.*truncated"):
+    compare_file.load_compare(path)
+  res = _verdict_cli(f"--compare={path}", f"--out={tmp_path / 'out'}")
+  assert res.returncode == 1
+  assert res.stderr.strip().splitlines()[-1].startswith(
+      f"launch/verdict.py: {path}: not valid JSON at line 1")
 
 
 def test_the_recipe_check_reports_a_drop_beyond_the_bound_in_the_first_2000_rollouts():

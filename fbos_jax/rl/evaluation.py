@@ -107,20 +107,3 @@ def drop_from_start(rows: list, *, within_rollouts: int = 0) -> dict:
     out[name] = min(0.0, min(float(r[key]) for r in ev) - start)
   return out
 
-
-# The recipe's bound (docs/results/verdict_rule.md, issue 33): no arm's greedy held-out
-# accuracy falls more than MAX_DROP below its warm start at any eval in its first
-# DROP_WINDOW generated rollouts. A learning rate that breaks it is unstable.
-MAX_DROP, DROP_WINDOW = 0.03, 2000
-
-
-def pick_learning_rate(sweep: dict, *, max_drop: float = MAX_DROP):
-  """The rate of a sweep (``{rate: {"final_sampled", "drop_greedy"}}``, one
-  validation run each) with the best final T=1 accuracy among the stable ones
-  (greedy drop no deeper than ``max_drop``); ties go to the smaller rate. None
-  when every rate is unstable: the arm is reported as such, never given a rate."""
-  stable = [(float(lr), r) for lr, r in sweep.items() if r["drop_greedy"] >= -max_drop - 1e-9]
-  if not stable:
-    return None
-  best = max(r["final_sampled"] for _, r in stable)
-  return min(lr for lr, r in stable if r["final_sampled"] >= best - 1e-12)
