@@ -7,7 +7,8 @@ r"""The asynchronous system's modelled speedup, and the split plan (issue 25).
 
 Prints, and says for each number whether it is measured or modelled:
 
-1. **modelled** (roofline of the compiled plan's programs, ``fbos_jax/plan_async.py``):
+1. **modelled** (roofline of the compiled plan's programs,
+   ``fbos_jax/planning/async_split.py``):
    the step of ``--config`` on ``--topology`` synchronous on every chip
    (rollout + train) against asynchronous on the split (max(rollout, train +
    sync) at steady state, eta >= 1);
@@ -77,8 +78,8 @@ def _say(line=""):
 
 
 def _modelled(config, stream_util: float, util: float):
-  from fbos_jax import plan_async
-  m = plan_async.modelled_speedup(config, FLAGS.topology, FLAGS.rollout_devices)
+  from fbos_jax.planning import async_split
+  m = async_split.modelled_speedup(config, FLAGS.topology, FLAGS.rollout_devices)
   s, a = m["sync_step"], m["async_step"]
   _say(f"1. MODELLED (roofline of the compiled plan's programs; lower bounds) {FLAGS.config} on "
        f"{FLAGS.topology}:")
@@ -141,10 +142,10 @@ def main(argv):
   import configs
   config = configs.load(FLAGS.config)
   if FLAGS.plan:
-    from fbos_jax import plan_async
-    plan = plan_async.compile_split_plan(config, FLAGS.topology, FLAGS.rollout_devices,
+    from fbos_jax.planning import async_split
+    plan = async_split.compile_split_plan(config, FLAGS.topology, FLAGS.rollout_devices,
                                          progress=lambda s: _say(f"  {s}"))
-    _say(plan_async.format_split_plan(plan))
+    _say(async_split.format_split_plan(plan))
     _say(json.dumps({"fits": plan["fits"], "sides": plan["sides"],
                      "sync": {k: v for k, v in plan["sync"].items()}}))
     return

@@ -5,7 +5,7 @@ r"""The padded and the packed update on the same long-tailed batch (issue 30).
 
 One batch of ``--rows`` rows: prompts of 8 to ``--prompt_len`` tokens, responses
 whose lengths follow the roofline's lognormal model
-(``fbos_jax.hardware.ResponseLengths``: median ``--median``, 99th percentile
+(``fbos_jax.planning.hardware.ResponseLengths``: median ``--median``, 99th percentile
 ``--p99``, capped at ``--response_len``), a third of them off-policy (GOLF's
 mixed rows: PPO clip and f(u) in one batch). The padded update trains on it as
 the rollout builds it today (``[prompt bucket | max_new_tokens]`` rows,
@@ -39,7 +39,7 @@ FLAGS = flags.FLAGS
 def _batch(cfg, seed):
   import numpy as np
 
-  from fbos_jax import hardware
+  from fbos_jax.planning import hardware
   from fbos_jax.rl import batch as batch_lib
   rng = np.random.default_rng(seed)
   n, p, r = FLAGS.rows, FLAGS.prompt_len, FLAGS.response_len

@@ -56,7 +56,8 @@ def main(argv):
   if FLAGS.dry_run and FLAGS.topology:
     return _compiled_dry_run(config, FLAGS.topology)
   if FLAGS.dry_run:
-    from fbos_jax.plan import HBM_BYTES, format_plan, memory_plan
+    from fbos_jax.planning.hardware import HBM_BYTES
+    from fbos_jax.planning.programs import format_plan, memory_plan
     n = FLAGS.mesh_devices or config.mesh.num_devices
     if not n:
       import jax
@@ -95,12 +96,13 @@ def _compiled_dry_run(config, topology: str):
     os.environ.setdefault(k, v)
   import jax
   jax.config.update("jax_platforms", "cpu")  # before any backend starts
-  from fbos_jax import plan as plan_lib
+  from fbos_jax.planning import hardware
+  from fbos_jax.planning import programs as plan_lib
   say = lambda m: print(m, file=sys.stderr, flush=True)
   if FLAGS.fit_micro_batches:
     try:
       m, tried = plan_lib.fit_micro_batches(config, topology, progress=say)
-    except plan_lib.PlanError as e:
+    except hardware.PlanError as e:
       raise app.UsageError(str(e)) from None
     print(json.dumps({"topology": topology, "fewest_fitting_micro_batches": m,
                       "peak_bytes": tried}))
@@ -109,7 +111,7 @@ def _compiled_dry_run(config, topology: str):
     return
   try:
     plan = plan_lib.compile_plan(config, topology, progress=say, only=FLAGS.programs or None)
-  except plan_lib.PlanError as e:
+  except hardware.PlanError as e:
     raise app.UsageError(str(e)) from None
   print(plan_lib.format_compiled_plan(plan))
   print(json.dumps(plan_lib.plan_json(plan)))

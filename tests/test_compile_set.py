@@ -251,7 +251,7 @@ def test_plan_counts_the_compile_set(one_device_mesh):
   """The plan's count of the compile set is the trainer's enumeration: the
   static samplers' chunks x prompt buckets, the update's row x prompt buckets,
   each engine's program_shapes; bucket_growth=0 bounds the engine's."""
-  from fbos_jax import plan as plan_lib
+  from fbos_jax.planning import programs as plan_lib
   c = configs.load("configs/fbos.py:tiny")
   parts = plan_lib.plan_parts(c)
   rules = sh.rules_dict(c.mesh.rules)
@@ -284,8 +284,8 @@ def test_qwen_8b_compile_set_is_bounded():
   """qwen_8b on its 32-chip slice: one engine bucket per dimension and fixed
   update rows keep the set at a few dozen programs (each a 36-layer program that
   takes minutes to compile), counted without compiling."""
-  from fbos_jax import hardware as hw
-  from fbos_jax import plan as plan_lib
+  from fbos_jax.planning import hardware as hw
+  from fbos_jax.planning import programs as plan_lib
   try:
     devices = hw.topology_devices("v5p:2x4x4")
   except hw.PlanError as e:

@@ -10,7 +10,8 @@ from ml_collections import config_flags  # noqa: F401  (the loader launch/train.
 
 import configs
 from configs import load
-from fbos_jax.plan import HBM_BYTES, memory_plan
+from fbos_jax.planning.hardware import HBM_BYTES
+from fbos_jax.planning.programs import memory_plan
 from fbos_jax.rl.config import validate as validate_rl_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

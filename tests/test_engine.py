@@ -446,7 +446,7 @@ def test_engine_programs_compile_for_a_tpu_topology():
   the Pallas ragged kernel (a Mosaic custom call) and reads the pool in place (its
   temporaries are far below one pool)."""
   from jax.experimental import topologies
-  from fbos_jax.engine import plan as eplan
+  from fbos_jax.planning import engine as eplan
   devs = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
   mesh = sh.make_mesh({"fsdp": 2, "tensor": 2}, devices=devs)
   cfg = qwen.ModelConfig(model_type="qwen3", vocab_size=1024, hidden_size=256,

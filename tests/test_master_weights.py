@@ -193,7 +193,7 @@ def test_plan_samplers_take_the_compute_copy_with_the_state_held_beside(small, o
                                                                         engine):
   """The plan compiles the samplers against the bfloat16 copy, and counts the train
   state (the float32 master and Adam's moments) as held in HBM beside them."""
-  from fbos_jax import plan as plan_lib
+  from fbos_jax.planning import programs as plan_lib
   c = _with_big_dtypes(small, **{"sampling.engine": engine})
   parts = plan_lib.plan_parts(c)
   rules = dict(c.mesh.rules)

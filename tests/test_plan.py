@@ -1,5 +1,5 @@
-"""Compile-for-topology plans (fbos_jax/plan.py): XLA's TPU compiler on this CPU;
-the roofline's response-length model (fbos_jax/hardware.py), static vs continuous.
+"""Compile-for-topology plans (fbos_jax/planning/programs.py): XLA's TPU compiler
+on this CPU; the roofline's response-length model (fbos_jax/planning/hardware.py), static vs continuous.
 
 These tests need libtpu (the TPU compiler, no TPU): `pip install libtpu==0.0.42.1`
 (requirements-test.txt installs it). Without it the compiling tests are skipped.
@@ -17,8 +17,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from configs import load
-from fbos_jax import hardware as hw
-from fbos_jax import plan as plan_lib
+from fbos_jax.planning import hardware as hw
+from fbos_jax.planning import programs as plan_lib
 from fbos_jax import sharding as sh
 from fbos_jax.model import qwen
 from fbos_jax.engine import EngineConfig
@@ -247,7 +247,7 @@ def test_engine_programs_compile_and_fit_in_the_plan(monkeypatch):
   plan = plan_lib.compile_plan(c, "v5p:2x2x1", search=False)
   assert list(plan["programs"]) == ["sample_round1/window", "sample_round1/prefill"]
   parts = plan_lib.plan_parts(c)
-  from fbos_jax.engine import plan as eplan
+  from fbos_jax.planning import engine as eplan
   mesh = hw.target_mesh(c, hw.topology_devices("v5p:2x2x1"))
   eng = eplan.abstract_programs(parts.model, parts.sampling.round1, parts.sampling.engine_config,
                                 mesh, sh.rules_dict(c.mesh.rules))["engine"]
@@ -396,16 +396,16 @@ def test_roofline_static_and_continuous_decode_follow_the_lengths():
 
 @needs_libtpu
 def test_async_model_uses_the_runs_sampler():
-  """The asynchronous system's modelled step (plan_async.modelled_speedup, analytic:
+  """The asynchronous system's modelled step (async_split.modelled_speedup, analytic:
   nothing compiled) estimates the rollout with the run's sampler, as the compiled
   plan does: the continuous engine's rollout is shorter than the static sampler's
   under the same assumed lengths, and the asynchronous step is max(rollout, train +
   sync) on the split."""
-  from fbos_jax import plan_async
+  from fbos_jax.planning import async_split
   out = {}
   for engine in ("continuous", "static"):
     c = load("configs/fbos.py:qwen_8b_long", {"sampling.engine": engine})
-    out[engine] = m = plan_async.modelled_speedup(c, "v5p:2x4x4", 16)
+    out[engine] = m = async_split.modelled_speedup(c, "v5p:2x4x4", 16)
     a, s = m["async_step"], m["sync_step"]
     assert m["engine"] == engine and m["trainer_devices"] == 16
     assert a["step_s"] == max(a["rollout_s"], a["train_s"] + a["sync_s"])
@@ -421,7 +421,7 @@ def test_split_plan_puts_the_engine_programs_on_the_rollout_side(monkeypatch):
   rollout mesh (on the engine: each call's window and prefill) and the update on the
   trainer mesh; a side the step has no program for is refused, never a 0-byte fit.
   (Compiling is stubbed: the plan's own tests compile these programs.)"""
-  from fbos_jax import plan_async
+  from fbos_jax.planning import async_split
   compiled = []
 
   def fake_compile(prog, mesh):
@@ -430,14 +430,14 @@ def test_split_plan_puts_the_engine_programs_on_the_rollout_side(monkeypatch):
 
   monkeypatch.setattr(plan_lib, "compile_program", fake_compile)
   c = small_real_heads("configs/fbos.py:qwen3_0_6b", "continuous")
-  plan = plan_async.compile_split_plan(c, "v5p:2x2x1", 2)
+  plan = async_split.compile_split_plan(c, "v5p:2x2x1", 2)
   assert sorted(compiled) == sorted(
       [("update", 2)] + [(f"{b}/{k}", 2) for b in ("sample_round1", "sample_round2")
                          for k in plan_lib.ENGINE_KINDS])
   assert plan["sides"]["rollout"]["largest_program"] == 2 ** 20 and plan["fits"]
-  monkeypatch.setattr(plan_async.shapes_lib, "sampler_shapes", lambda *a, **k: {})
+  monkeypatch.setattr(async_split.shapes_lib, "sampler_shapes", lambda *a, **k: {})
   with pytest.raises(RuntimeError, match="no program of the rollout side"):
-    plan_async.compile_split_plan(c, "v5p:2x2x1", 2)
+    async_split.compile_split_plan(c, "v5p:2x2x1", 2)
 
 
 @needs_libtpu

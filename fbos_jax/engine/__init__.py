@@ -23,8 +23,8 @@ stream ids); the run ends once ``feed.finished()`` and every row is done.
 
 Pieces: :mod:`.types` (config, requests, stats), :mod:`.pages` (host free lists),
 :mod:`.programs` (the jitted prefill and decode window over the page pool),
-:mod:`.runner` (admission, windows, multi-process lockstep), :mod:`.plan`
-(the programs as abstract (fn, args) for compiled plans).
+:mod:`.runner` (admission, windows, multi-process lockstep); the programs as
+abstract (fn, args) for compiled plans are :mod:`fbos_jax.planning.engine`.
 """
 
 from fbos_jax.engine.pages import PageAllocator

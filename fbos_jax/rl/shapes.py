@@ -1,7 +1,7 @@
 """The shape model of a step: the one home of "how big can it get".
 
 The rollout pads its batches with these functions (:func:`padded_rows`,
-:func:`batch_prompt_buckets`), and the compiled plan (``fbos_jax/plan.py``)
+:func:`batch_prompt_buckets`), and the compiled plan (``fbos_jax/planning/programs.py``)
 compiles the programs at :func:`step_shapes`, the largest shapes a config can
 produce; neither keeps a second model of the other's shapes.
 
@@ -66,7 +66,7 @@ class EngineShape:
   (the call's :class:`fbos_jax.sampling.SamplingConfig`) and ``engine`` (the
   run's :class:`fbos_jax.engine.EngineConfig`). The engine's programs (decode
   window, prefill into pages) and its page pool are sized by ``engine``,
-  ``prompt_len`` and ``max_new_tokens`` (``fbos_jax/engine/plan.py``), not by
+  ``prompt_len`` and ``max_new_tokens`` (``fbos_jax/planning/engine.py``), not by
   ``prompts``, which only sets how much work the call is."""
   prompts: int
   n: int
@@ -183,7 +183,7 @@ def micro_batch_budget(parts: RunParts, batch_shards: int) -> int:
 def sequence_lengths(parts: RunParts, name: str, rows: int, lengths, seed: int = 0):
   """[rows] modelled lengths (prompt + response, int) of batch ``name``'s
   sequences, the responses drawn from ``lengths`` (a
-  :class:`fbos_jax.hardware.ResponseLengths`): the prompts q of ``epa`` at their
+  :class:`fbos_jax.planning.hardware.ResponseLengths`): the prompts q of ``epa`` at their
   largest bucket; a FAP of ``ecc`` holds q, a failed attempt and its feedback,
   so its largest bucket less the room of a whole response plus an attempt drawn
   from ``lengths``; ``fcp``'s <EF>c</EF>q its largest bucket less a response's room."""

@@ -4,7 +4,7 @@ Two kinds, both without allocating anything:
 
 * **Compiled plan** (:func:`compile_plan`, ``launch/train.py --dry_run
   --topology=v5p:2x4x4``): builds the config's mesh over the abstract devices of
-  a topology (``fbos_jax/hardware.py``) and compiles every program one step of
+  a topology (``fbos_jax/planning/hardware.py``) and compiles every program one step of
   the config runs, at the largest shapes the config can produce, as the
   rollout's own shape model says (``fbos_jax/rl/shapes.py``): round-1 and
   round-2 samplers, the update step (with pi_prox when configured), the eval
@@ -19,7 +19,7 @@ FLOPs: XLA's ``cost_analysis()`` counts the body of a ``while``/``scan`` loop
 once (checked in ``tests/test_plan.py``), so it undercounts the layer scan,
 gradient accumulation and decode loops. The plan therefore prints both: XLA's
 figure (per device, loop bodies once) and an analytic count of the whole
-program (:func:`fbos_jax.hardware.analytic_flops`), and uses the analytic one
+program (:func:`fbos_jax.planning.hardware.analytic_flops`), and uses the analytic one
 for the roofline.
 """
 
@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fbos_jax import hardware as hw
+from fbos_jax.planning import hardware as hw
 from fbos_jax import sharding as sh
-from fbos_jax.hardware import GiB, HBM_BYTES, PlanError, topology_devices  # noqa: F401
+from fbos_jax.planning.hardware import GiB, PlanError
 from fbos_jax.model import qwen
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import shapes as shapes_lib
@@ -128,10 +128,10 @@ _POOL_KNOBS = ("engine.slots, engine.staged (rows prefilled ahead; -1 = as many 
 def _engine_programs(name, shape: shapes_lib.EngineShape, parts, mesh, rules,
                      params) -> list[Program]:
   """The engine's decode window and prefill for call ``name`` at their largest
-  shapes (``fbos_jax/engine/plan.py:abstract_programs``), as ``name/window`` and
+  shapes (``fbos_jax/planning/engine.py:abstract_programs``), as ``name/window`` and
   ``name/prefill``; both ``refused`` (not built) when the engine refuses its config."""
   from fbos_jax.engine import EngineError
-  from fbos_jax.engine import plan as eplan
+  from fbos_jax.planning import engine as eplan
   prompts = ("sampling.fap_prompt_buckets / templates.max_prompt_tokens" if "round2" in name
              else "sampling.prompt_buckets")
   knobs = _POOL_KNOBS.format(prompts=prompts)
@@ -697,7 +697,7 @@ def format_roofline(rf: dict) -> list[str]:
            "prompts at their largest bucket)"]
   calls = {k: v for k, v in rf.items() if isinstance(v, dict) and "static" in v}
   for model in dict.fromkeys(v["length_model"] for v in calls.values()):
-    lines.append(f"  ASSUMED response lengths (not measured; fbos_jax/hardware.py:"
+    lines.append(f"  ASSUMED response lengths (not measured; fbos_jax/planning/hardware.py:"
                  f"RESPONSE_LENGTHS): {model}")
   mark = lambda k: " <- this run" if rf["engine"] == k else ""
   for name, v in calls.items():

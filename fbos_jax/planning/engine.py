@@ -1,5 +1,5 @@
 """The engine's programs as abstract (jitted fn, ShapeDtypeStruct args), for
-compiled plans (``fbos_jax/plan.py``'s ``compile_program``) and dry runs.
+compiled plans (``fbos_jax/planning/programs.py``'s ``compile_program``) and dry runs.
 
 Every program at its largest shapes for the engine config: the decode window
 with every slot and staged row of every shard in use and page tables as wide as
@@ -7,7 +7,7 @@ the longest row, and the prefill of one chunk for as many prompts as a shard has
 slots. The page pool is sized from the config (``EngineConfig.num_pages``, or
 the smallest pool that never runs out) and is an argument of both (donated).
 
-    progs = engine.plan.abstract_programs(model_cfg, scfg, ecfg, mesh, rules)
+    progs = planning.engine.abstract_programs(model_cfg, scfg, ecfg, mesh, rules)
     for name, (fn, args) in progs.items():
       with jax.set_mesh(mesh):
         compiled = fn.lower(*args).compile()

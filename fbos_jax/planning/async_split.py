@@ -3,7 +3,7 @@
 * :func:`compile_split_plan`: the devices of a topology split as the run would
   split them (``rl.rollout_devices``, :func:`fbos_jax.rl.split.split_of`),
   the trainer mesh's update program and the rollout mesh's sampler programs
-  compiled with :func:`fbos_jax.plan.compile_program` (XLA's memory analysis is
+  compiled with :func:`fbos_jax.planning.programs.compile_program` (XLA's memory analysis is
   the authority), and the weight sync planned as it runs
   (:class:`fbos_jax.rl.weight_sync.WeightSync`: the intermediate mesh and its
   shard-by-shard cover, checked): its bytes and an interconnect-time estimate.
@@ -11,7 +11,7 @@
   (rollout: the arriving copy of the params; trainer: one sync chunk's
   intermediate shards) stays within the fit fraction of HBM.
 * :func:`modelled_speedup`: step times from the roofline of the compiled plan's
-  programs (``fbos_jax.hardware.roofline``: analytic FLOPs at the bf16 peak,
+  programs (``fbos_jax.planning.hardware.roofline``: analytic FLOPs at the bf16 peak,
   decode at HBM bandwidth; lower bounds), synchronous on all devices against
   asynchronous on the split, at steady state with eta >= 1:
   ``sync = rollout(all) + train(all)``, ``async = max(rollout(N), train(rest) + sync)``.
@@ -27,8 +27,8 @@ from typing import Callable, Optional
 
 import jax
 
-from fbos_jax import hardware as hw
-from fbos_jax import plan as plan_lib
+from fbos_jax.planning import hardware as hw
+from fbos_jax.planning import programs as plan_lib
 from fbos_jax import sharding as sh
 from fbos_jax.rl import split as split_lib
 from fbos_jax.rl import config as config_lib

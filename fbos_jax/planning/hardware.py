@@ -12,7 +12,7 @@
   engine (slots refilled as rows stop) side by side.
 
 The programs themselves (what a step compiles, at which shapes) are in
-``fbos_jax/plan.py``; their shapes come from the rollout's shape model
+``fbos_jax/planning/programs.py``; their shapes come from the rollout's shape model
 (``fbos_jax/rl/shapes.py``).
 """
 
@@ -67,7 +67,7 @@ TOPOLOGY_FORMS = ("v4:2x2x2", "v5e:2x4", "v5p:2x2x1", "v5p:2x4x4", "v5p:4x4x4", 
 _TPU_TOPOLOGY_RE = re.compile(r"^(v4|v5e|v5p|v6e):\d+x\d+(x\d+)?$")
 # GPUs: CHIP:NODESxGPUS_PER_NODE, compiled from an XLA GpuTargetConfig (no GPU needed)
 _GPU_TOPOLOGY_RE = re.compile(r"^(h100):(\d+)x(\d+)$")
-GPU_TARGETS = {"h100": "h100_sxm.txtpb"}  # in fbos_jax/gpu_specs/
+GPU_TARGETS = {"h100": "h100_sxm.txtpb"}  # in fbos_jax/planning/gpu_specs/
 # JAX's GPU client takes this share of HBM by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
 GPU_FIT_FRACTION = 0.75
 
@@ -137,7 +137,7 @@ def chip_spec(device) -> ChipSpec:
   if kind in CHIP_SPECS:
     return CHIP_SPECS[kind]
   raise PlanError(f"no roofline figures for device kind {kind!r}; add it to "
-                  "fbos_jax.hardware.CHIP_SPECS.")
+                  "fbos_jax.planning.hardware.CHIP_SPECS.")
 
 
 _HBM_RE = re.compile(r"exceeds available HBM \(([\d.]+)([KMGT]?)\)")
