@@ -1,6 +1,6 @@
 """The run configs, one ``get_config(arg)`` per algorithm file (big_vision style).
 
-:func:`load` is the one loader outside absl (tests, ``launch/compare.py``,
+:func:`load` is the one loader outside absl (tests, ``fbos_jax/experiments/compare.py``,
 notebooks): ``load("configs/fbos.py:tiny")`` or ``load("fbos:tiny")`` gives the
 ConfigDict that ``--config=configs/fbos.py:tiny`` gives ``launch/train.py``,
 and ``overrides`` set dotted fields as ``--config.a.b=v`` does
