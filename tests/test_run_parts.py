@@ -65,7 +65,7 @@ def test_the_step_pads_to_the_shape_model(tmp_path, small, one_device_mesh, monk
     calls.append((batch, prompt_len, n_per_prompt))
     return real(cfg, scfg, batch=batch, prompt_len=prompt_len, n_per_prompt=n_per_prompt, **kw)
 
-  monkeypatch.setattr(sampling, "get_generate_fn", recording)
+  monkeypatch.setattr(sampling.static, "get_generate_fn", recording)  # sample() looks it up there
   batches = R.rollout_step(tr.ctx, state.params, next(tr.train_iter),
                            state_lib.stream_key(state.rng, "sample", 0)).batches
   want = shapes.update_shapes(tr.parts, batch_shards=1)

@@ -24,7 +24,10 @@ stream ids); the run ends once ``feed.finished()`` and every row is done.
 Pieces: :mod:`.types` (config, requests, stats), :mod:`.pages` (host free lists),
 :mod:`.programs` (the jitted prefill and decode window over the page pool),
 :mod:`.runner` (admission, windows, multi-process lockstep), :mod:`.plan`
-(the programs as abstract (fn, args) for compiled plans).
+(the programs as abstract (fn, args) for compiled plans). It draws, agrees on
+prompt rows and stops as the static sampler does through the public functions
+of :mod:`fbos_jax.sampling.shared`; this package moves into
+``fbos_jax/sampling/`` once the work on its runner (the async issue) has landed.
 """
 
 from fbos_jax.engine.pages import PageAllocator
