@@ -11,6 +11,9 @@ prompt i draws step t from ``fold_in(fold_in(key, t), i * n + j)`` whatever slot
 or window it ran in, so greedy tokens equal the static sampler's, sampled tokens
 too except where a float difference flips a draw, and the log-probs are the
 same temperature-scaled, full-vocabulary ones (teacher forcing reproduces them).
+It draws, agrees on prompt rows and stops as the static sampler does, through the
+public functions of :mod:`fbos_jax.sampling.shared`. This package moves into
+``fbos_jax/sampling/`` once the work on its runner (the async issue) has landed.
 
 Streaming (rounds that feed each other while the engine runs)::
 
@@ -24,10 +27,7 @@ stream ids); the run ends once ``feed.finished()`` and every row is done.
 Pieces: :mod:`.types` (config, requests, stats), :mod:`.pages` (host free lists),
 :mod:`.programs` (the jitted prefill and decode window over the page pool),
 :mod:`.runner` (admission, windows, multi-process lockstep), :mod:`.plan`
-(the programs as abstract (fn, args) for compiled plans). It draws, agrees on
-prompt rows and stops as the static sampler does through the public functions
-of :mod:`fbos_jax.sampling.shared`; this package moves into
-``fbos_jax/sampling/`` once the work on its runner (the async issue) has landed.
+(the programs as abstract (fn, args) for compiled plans).
 """
 
 from fbos_jax.engine.pages import PageAllocator
