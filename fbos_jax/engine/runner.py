@@ -207,7 +207,7 @@ class Engine:
     self.ecfg = (engine_config or EngineConfig()).validate()
     self.mesh, self.rules = mesh, rules
     e, s = self.ecfg, self.scfg
-    self.nproc = sampling._mesh_processes(mesh)
+    self.nproc = sampling.mesh_processes(mesh)
     self.shards = sh.batch_shard_count(mesh, self.rules) if mesh is not None else 1
     lay = pool_layout(e, s, self.shards, self.nproc)
     self.sps, self.qs, self.local_shards = lay.slots_per_shard, lay.staged_per_shard, \
@@ -228,7 +228,7 @@ class Engine:
     self.st = programs.Static(
         page_size=ps, window=int(e.window), greedy=s.is_greedy, top_k=int(s.top_k),
         use_top_p=float(s.top_p) < 1.0,
-        num_stop_slots=sampling._stop_slots(len(s.stop_token_ids)), pad_id=int(s.pad_id),
+        num_stop_slots=sampling.stop_slots(len(s.stop_token_ids)), pad_id=int(s.pad_id),
         unroll=unroll, cache_dtype=s.cache_dtype, impl=impl, shards=self.shards,
         bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None,
         swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps,
@@ -728,8 +728,8 @@ class Engine:
     n = int(n_per_prompt)
     if n < 1:
       raise sampling.SamplingError(f"n_per_prompt={n_per_prompt} must be >= 1.")
-    agreed = sampling._agree_prompts(sampling._as_rows(prompts, prompt_mask), scfg,
-                                     self.cfg.vocab_size, self.mesh, allow_empty)
+    agreed = sampling.agree_prompts(sampling.as_rows(prompts, prompt_mask), scfg,
+                                    self.cfg.vocab_size, self.mesh, allow_empty)
     r_len = self.R
     if agreed is None:
       return sampling.SampleOutput.empty(r_len)
