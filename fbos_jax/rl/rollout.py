@@ -303,17 +303,29 @@ def new_engine_stats(ctx: RolloutContext):
 
 def _sampler_metrics(ctx: RolloutContext, rounds: list) -> dict:
   """``rollout/slot_util``: generated tokens / slot-steps computed (the static
-  sampler runs every row of a call to its longest row); with the continuous
-  engine also ``rollout/pages_peak``, ``rollout/windows``, ``rollout/refills``
-  and ``time/verify_wait_s`` (the engine waited on verdicts)."""
+  sampler runs every row of a call to its longest row); the critical path:
+  ``rollout/decode_steps`` (sequential decode steps), ``rollout/slot_steps`` and
+  ``rollout/kv_reads`` (positions generated tokens attend to; the static sampler's
+  finished rows read theirs too); with the continuous engine also
+  ``rollout/pages_peak``, ``rollout/windows``, ``rollout/refills`` and
+  ``time/verify_wait_s`` (the engine waited on verdicts). The static figures
+  count one sampler call per round (rounds larger than the largest
+  ``sampling.batch_buckets`` are split into more)."""
   st = ctx.engine_stats
   if st is not None:
     return {"rollout/slot_util": st.slot_util, "rollout/pages_peak": st.pages_peak,
             "rollout/windows": st.windows, "rollout/refills": st.refills,
-            "time/verify_wait_s": st.verify_wait_s}
+            "rollout/decode_steps": st.decode_steps, "rollout/slot_steps": st.slot_steps,
+            "rollout/kv_reads": st.kv_reads, "time/verify_wait_s": st.verify_wait_s}
   tokens = sum(int(ro.lengths[ro.valid].sum()) for ro in rounds)
-  steps = sum(int(ro.valid.sum()) * int(ro.lengths[ro.valid].max(initial=0)) for ro in rounds)
-  return {"rollout/slot_util": tokens / steps if steps else 0.0}
+  longest = [int(ro.lengths[ro.valid].max(initial=0)) for ro in rounds]
+  rows = [int(ro.valid.sum()) for ro in rounds]
+  steps = sum(r * t for r, t in zip(rows, longest))
+  ctx_len = [max((len(c) for cs in ro.contexts for c in cs), default=0) for ro in rounds]
+  kv = sum(r * (t * c + t * (t - 1) // 2) for r, t, c in zip(rows, longest, ctx_len))
+  return {"rollout/slot_util": tokens / steps if steps else 0.0,
+          "rollout/decode_steps": sum(longest), "rollout/slot_steps": steps,
+          "rollout/kv_reads": kv}
 
 
 def _verifier_totals(m: dict) -> dict:

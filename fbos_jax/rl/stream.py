@@ -139,6 +139,7 @@ class _Step:
     self.verdicts2: dict = {}  # (p, source, replica) -> (reward, feedback, error)
     self.plans: dict = {}  # p -> [(source, replica)] of its m grid places (none: [])
     self.early = 0  # round-2 rows requested before their group's verdicts were all in
+    self.streamed = True  # round 2 joins round 1's engine run (barrier_rounds: False)
     self.stats: dict = {1: [], 2: []}
     self.windows: dict = {1: [], 2: []}  # (first, last) decode window of each row
     self.requests = [engine_lib.Request(prompt=q[p], n=n, key=raw1, sid_base=(self.base + p) * n,
@@ -240,11 +241,12 @@ class _Step:
         fap = self.faps[(p, s)]
         r2.valid[p, j], r2.source[p, j] = True, s
         r2.contexts[p][j], r2.truncated[p, j] = fap.token_ids, fap.truncated
-    r1_end = max((w[1] for w in self.windows[1]), default=-1)
-    overlap = sum(w[0] <= r1_end for w in self.windows[2])  # round-2 rows beside round 1
     st2 = _merge(self.stats[2])
-    st2["rollout/round2_rows_beside_round1"] = float(overlap)
-    st2["rollout/round2_rows_before_group"] = float(self.early)
+    if self.streamed:
+      r1_end = max((w[1] for w in self.windows[1]), default=-1)
+      overlap = sum(w[0] <= r1_end for w in self.windows[2])  # round-2 rows beside round 1
+      st2["rollout/round2_rows_beside_round1"] = float(overlap)
+      st2["rollout/round2_rows_before_group"] = float(self.early)
     return self.r1, r2, _merge(self.stats[1]), st2
 
 
@@ -339,6 +341,7 @@ def barrier_rounds(ctx: RolloutContext, params, examples: list, key):
   _check_params(ctx, params)
   sp = ctx.parts.sampling
   step = _Step(ctx, 0, examples, key)
+  step.streamed = False
   verifier = _Verifier(ctx)
   configs = [sp.round1] + ([sp.round2] if step.round2 else [])
   try:
