@@ -203,9 +203,13 @@ class _Step:
           R.fap_prompt(self.ctx, self.examples[p], self.r1, p, source))
     r0 = self.issued.get((p, source), 0)
     self.issued[(p, source)] = r0 + count
-    sid = R.round2_stream(self.base, p, source, r0, self.n, self.m)
-    return [engine_lib.Request(prompt=self.faps[(p, source)].token_ids, n=count, key=self.raw2,
-                               sid_base=sid, tag=(self.k, 2, p, source, r0))]
+    # a FAP's replicas one request each (one sample per request, as rounds.round2's
+    # calls: the compile set's shapes); GOLF's prompt its m samples in one
+    per = count if source < 0 else 1
+    return [engine_lib.Request(prompt=self.faps[(p, source)].token_ids, n=per, key=self.raw2,
+                               sid_base=R.round2_stream(self.base, p, source, r, self.n, self.m),
+                               tag=(self.k, 2, p, source, r))
+            for r in range(r0, r0 + count, per)]
 
   def _plan(self, p: int) -> list:
     """Prompt p's verdicts are all in: its round-2 plan (``assemble.round2_plan``)

@@ -521,7 +521,7 @@ class VerifierPool:
     self._free: list[_ProcessWorker] = []  # started workers no call is using
     # concurrent ``run`` calls (``submit``: one row each, as rollouts stop) share the
     # bookkeeping below and the process workers (a call checks out its own)
-    self._lock = threading.Lock()
+    self._lock = threading.Condition()  # notified when a process worker is freed
     self._ctx = None
     # Running totals since construction (for checkpoint-independent metrics).
     self.totals: dict[str, int] = {"calls": 0, "errors": 0}
@@ -719,8 +719,12 @@ class VerifierPool:
     """Up to ``want`` workers for one call, no other call using them: idle ones,
     then new ones while the pool has fewer than ``num_workers``."""
     with self._lock:
-      got = [self._free.pop() for _ in range(min(want, len(self._free)))]
-      start = max(0, min(want - len(got), self.num_workers - len(self._workers)))
+      while True:  # all num_workers busy in other calls: wait for one
+        got = [self._free.pop() for _ in range(min(want, len(self._free)))]
+        start = max(0, min(want - len(got), self.num_workers - len(self._workers)))
+        if got or start:
+          break
+        self._lock.wait()
       self._workers.extend([None] * start)  # places held while they start
     try:
       return got + self._new_workers(start) if start else got
@@ -728,10 +732,12 @@ class VerifierPool:
       with self._lock:
         for _ in range(start):
           self._workers.remove(None)
+        self._lock.notify_all()
 
   def _retire(self, worker: _ProcessWorker) -> None:
     with self._lock:
       self._workers.remove(worker)
+      self._lock.notify_all()
 
   def _run_processes(self, examples, responses):
     """Returns a list of (status, payload, latency_s) in input order."""
@@ -747,6 +753,7 @@ class VerifierPool:
         self._retire(worker)
       with self._lock:
         self._free.extend(idle)
+        self._lock.notify_all()
     return out
 
   def _run_on(self, idle, busy, out, examples, responses) -> None:
