@@ -184,6 +184,15 @@ def rounds_workload(args, name: str, schedules: tuple, latency_s: float = 0.0) -
   examples = next(data_lib.make_prompt_iterator(c.data, batch_size=parts.rollout.prompts_per_step,
                                                 process_index=0, process_count=1, seed=args.seed))
   key = state_lib.stream_key(state.rng, "sample", 0)
+  # every engine program a run can call, compiled before the timed runs (the
+  # streamed schedule's row and page buckets vary with when verdicts arrive)
+  from fbos_jax import compile_set
+  t0 = time.perf_counter()
+  groups = [g for sched in schedules for g in compile_set.run_programs(ctxs[sched], state)
+            if g.name.endswith("(engine)")]
+  report = compile_set.compile_all(groups)
+  print(f"{name}: the engine's compile set, {report['programs']} programs, "
+        f"{time.perf_counter() - t0:.0f} s", flush=True)
   runs = {s: [] for s in schedules}
   trajs = {}
   for _ in range(args.warmups):  # warm-up: compiles (the streamed run's buckets vary)
@@ -193,7 +202,10 @@ def rounds_workload(args, name: str, schedules: tuple, latency_s: float = 0.0) -
     for sched in schedules:
       t0 = time.perf_counter()
       trajs[sched] = rollout.rollout_step(ctxs[sched], params, examples, key)
-      runs[sched].append((time.perf_counter() - t0, trajs[sched].metrics))
+      st = ctxs[sched].engine_stats
+      mm = dict(trajs[sched].metrics, **({f"engine/{k}": v for k, v in st.as_dict().items()}
+                                          if st is not None else {}))
+      runs[sched].append((time.perf_counter() - t0, mm))
   for ctx in ctxs.values():
     ctx.close()
   desc, fixed, per_pos = cost_model(args)
@@ -219,11 +231,16 @@ def rounds_workload(args, name: str, schedules: tuple, latency_s: float = 0.0) -
                 f"{sched}_slot_steps": slot_steps, f"{sched}_kv_reads": kv,
                 f"{sched}_modelled_s": modelled})
     mm = runs[sched][-1][1]
+    if "engine/prefills" in mm:
+      print(f"  {sched}: {mm['engine/windows']} windows, {mm['engine/prefills']} prefill calls "
+            f"({mm['engine/prefill_tokens']} prompt tokens); in the engine {mm['engine/wall_s']:.2f} s, "
+            f"windows {mm['engine/window_s']:.2f} s, waiting on verdicts {mm['engine/verify_wait_s']:.2f} s")
+      out[f"{sched}_prefills"] = mm["engine/prefills"]
+      out[f"{sched}_prefill_tokens"] = mm["engine/prefill_tokens"]
     if "rollout/round2_rows_beside_round1" in mm:
       print(f"  {sched}: round-2 rows decoded beside round 1's tail "
             f"{mm['rollout/round2_rows_beside_round1']:.0f} of {mm['round2/rollouts']}, started "
-            f"on their own rollout's verdict before the group's {mm['rollout/round2_rows_before_group']:.0f}; "
-            f"the engine waited on verdicts {mm.get('time/verify_wait_s', 0.0):.2f} s")
+            f"on their own rollout's verdict before the group's {mm['rollout/round2_rows_before_group']:.0f}")
   if "barrier" in schedules and "streamed" in schedules:
     out["ratio"] = out["streamed_s"] / out["barrier_s"]
     out["decode_steps_ratio"] = out["streamed_decode_steps"] / out["barrier_decode_steps"]
