@@ -340,14 +340,15 @@ class Engine:
       per_shard = [[p for p in todo if p.shard == s] for s in range(self.local_shards)]
       calls = int(self._agree(max(-(-len(x) // cap) for x in per_shard))[:, 0].max())
       for ci in range(calls):
-        pool = self._prefill_call(params, pool, [x[ci * cap:(ci + 1) * cap] for x in per_shard])
+        pool = self._prefill_call(params, pool, [x[ci * cap:(ci + 1) * cap] for x in per_shard],
+                                  stats)
         stats.prefills += 1
       for p in todo:
         p.done = min(p.tokens.size, p.done + self.chunk)
     pieces.clear()
     return pool
 
-  def _prefill_call(self, params, pool, per_shard: list):
+  def _prefill_call(self, params, pool, per_shard: list, stats: EngineStats):
     """One prefill program call: the next chunk of each piece in ``per_shard``."""
     ps = self.st.page_size
     todo = [p for x in per_shard for p in x]
@@ -366,6 +367,7 @@ class Engine:
         k = min(self.chunk, p.tokens.size - p.done)
         a["tokens"][r, :k] = p.tokens[p.done:p.done + k]
         a["start"][r], a["n_valid"][r] = p.done, k
+        stats.prefill_tokens += k
         used = p.pages[:pb]
         a["table"][r, :len(used)] = used
         if p.copies:
@@ -569,6 +571,7 @@ class Engine:
     stats.window_s += time.perf_counter() - t0
     stats.windows += 1
     stats.slot_steps += n * steps
+    stats.decode_steps += steps
     window = self._windows  # this run's window index
     self._windows += 1
     b_global, q_off = self.shards * rb, first_shard * qb
@@ -611,6 +614,8 @@ class Engine:
           r.tokens.extend(toks[k, i:j].tolist())
           r.logprobs.extend(lps[k, i:j].tolist())
           r.versions.extend([r.kv_version] * (j - i))
+          # token t at position pos + t attends to its pos + t + 1 keys
+          stats.kv_reads += (j - i) * (r.pos + 1) + (j - i) * (j - i - 1) // 2
           r.last = int(toks[k, j - 1])
           r.step += j - i
           r.pos += j - i
