@@ -35,7 +35,7 @@ verification, FAPs, batches), median of ``--repeats`` alternating runs after
 critical path: sequential decode steps, slot-steps, KV positions read, and a
 modelled accelerator time, decode steps x a fixed per-step cost + KV reads x a
 per-position cost, the costs NAMED (``--cost_model``'s weights and KV bytes at
-``--cost_chip``'s HBM bandwidth, ``fbos_jax.hardware.decode_step_cost``: an
+``--cost_chip``'s HBM bandwidth, ``fbos_jax.planning.hardware.decode_step_cost``: an
 assumption, not a measurement; on an accelerator a memory-bound step costs
 about the same at 16 rows as at 64, so the decode steps are what streaming
 saves, while on a CPU a step costs in proportion to its rows). The "same
@@ -100,7 +100,7 @@ flags.DEFINE_integer("slow_verifier_workers", 0, "slow_verifier: verifier.worker
                      "config's)")
 flags.DEFINE_string("cost_model", "qwen_8b_h100", "the model (a configs/base.py variant) whose "
                     "decode step prices the critical path (modelled time)")
-flags.DEFINE_string("cost_chip", "NVIDIA H100", "the chip (fbos_jax.hardware.CHIP_SPECS) of "
+flags.DEFINE_string("cost_chip", "NVIDIA H100", "the chip (fbos_jax.planning.hardware.CHIP_SPECS) of "
                     "the modelled time")
 flags.DEFINE_list("workloads", ["long_tail", "two_round", "slow_verifier"], "which workloads "
                   "to run (long_tail, two_round, slow_verifier, row_cost)")
@@ -132,9 +132,9 @@ SCHEDULES = {"barrier": {"rl.stream_rounds": False},
 def cost_model(args):
   """(description, fixed s per decode step, s per KV position read): the NAMED
   per-step cost the critical-path counts are priced with (an assumption, not a
-  measurement: ``fbos_jax.hardware.decode_step_cost``)."""
+  measurement: ``fbos_jax.planning.hardware.decode_step_cost``)."""
   import configs.base as base
-  from fbos_jax import hardware
+  from fbos_jax.planning import hardware
   cfg = qwen.ModelConfig(**base.VARIANTS[args.cost_model]["model"])
   chip = hardware.CHIP_SPECS[args.cost_chip]
   fixed, per_pos = hardware.decode_step_cost(cfg, chip)
