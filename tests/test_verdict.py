@@ -190,3 +190,16 @@ def test_the_recipe_check_reports_a_drop_beyond_the_bound_in_the_first_2000_roll
   assert not rec["holds"]
   assert v["runs"]["grpo"]["0"]["drop_from_start"]["greedy"] == pytest.approx(-0.15)
   assert "**FAILS** for `grpo` (-0.150), `fbos` (-0.200)" in V.markdown(v)
+
+
+def test_the_term_cosine_comes_from_the_logged_norms():
+  from fbos_jax.experiments import verdict as v
+  rows = [{"step": 1, "grad_norm/epa": 3.0, "grad_norm/ecc": 4.0, "policy/grad_norm": 5.0},  # cos 0
+          {"step": 2, "grad_norm/epa": 3.0, "grad_norm/ecc": 4.0, "policy/grad_norm": 7.0},  # cos 1
+          {"step": 3, "grad_norm/epa": 3.0, "grad_norm/ecc": 0.0, "policy/grad_norm": 3.0}]  # one term
+  assert v.term_cosine(rows) == pytest.approx(0.5)
+  m = v.mechanism(rows)
+  assert m["epa_ecc_cosine"] == pytest.approx(0.5)
+  assert m["grad_norm/ecc"] == pytest.approx(4.0)  # over the steps the term trained
+  assert m["feedback/fix_rate"] is None  # an arm without the metric: null, not NaN
+  assert v.mechanism(rows[2:])["epa_ecc_cosine"] is None  # alternate / GRPO: no pair

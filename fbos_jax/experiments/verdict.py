@@ -52,6 +52,38 @@ def run_quantities(rows: list, ref_final_sampled: float) -> dict:
           "drop_from_start": evaluation.drop_from_start(rows, within_rollouts=DROP_WINDOW)}
 
 
+# What the update did, beside the claims (issue 33, item 4): {metric key: label}.
+MECHANISM = {"feedback/fix_rate_r1succ_0": "fix rate, all-fail groups",
+             "feedback/fix_rate": "fix rate, failed rollouts",
+             "epa/injected": "EPA rows pulled back onto q, a step",
+             "grad_norm/epa": "EPA gradient norm", "grad_norm/ecc": "ECC gradient norm"}
+
+
+def term_cosine(rows: list, a: str = "epa", b: str = "ecc") -> float:
+  """The mean cosine between terms ``a``'s and ``b``'s weighted gradients, from the
+  norms the update logs (``grad_norm/<term>`` of each contribution, ``policy/grad_norm``
+  of their sum: |g|^2 = |g_a|^2 + |g_b|^2 + 2 g_a.g_b), over the steps where exactly
+  these two terms contributed; NaN when there are none (one term a step: GRPO, or
+  ``objective_schedule=alternate``)."""
+  cos = []
+  for r in rows:
+    terms = {k[len("grad_norm/"):]: v for k, v in r.items()
+             if k.startswith("grad_norm/") and isinstance(v, (int, float)) and v > 0}
+    if set(terms) == {a, b} and "policy/grad_norm" in r:
+      g = r["policy/grad_norm"]
+      cos.append((g * g - terms[a] ** 2 - terms[b] ** 2) / (2 * terms[a] * terms[b]))
+  return float(np.mean(cos)) if cos else float("nan")
+
+
+def mechanism(rows: list) -> dict:
+  """The run's means of :data:`MECHANISM` over its training steps (None when the arm
+  has no such metric) and the EPA-ECC gradient cosine (:func:`term_cosine`)."""
+  out = {k: _mean_of([r for r in rows if not k.startswith("grad_norm/") or r.get(k, 0) > 0], k)
+         for k in MECHANISM}  # a term's norm over the steps it trained (alternate: every other)
+  out["epa_ecc_cosine"] = term_cosine(rows)
+  return {k: None if math.isnan(x) else x for k, x in out.items()}  # JSON: null, not NaN
+
+
 def paired(arm: list, ref: list) -> dict:
   """d = mean(arm - ref) over paired seeds and its band 2 sd / sqrt(n) (n >= 2)."""
   diff = np.asarray(arm, float) - np.asarray(ref, float)
@@ -108,6 +140,7 @@ def verdict(data: dict, reference: str) -> dict:
   for label, by_seed in runs.items():
     for s in complete:
       per[label][s]["learning_rate"] = by_seed[s].get("learning_rate")
+      per[label][s]["mechanism"] = mechanism(by_seed[s]["rows"])
   drops = {a: max(-(q["drop_from_start"]["greedy"] or 0.0) for q in v.values())
            for a, v in per.items() if v}
   out = {"reference": reference, "seeds": complete, "variant": data.get("variant"),
@@ -189,11 +222,27 @@ def markdown(v: dict) -> str:
                   if d > rec["max_drop"] + 1e-9)) + "."]
   if v.get("sweep"):
     lines += ["", sweep_markdown(v["sweep"], v.get("learning_rates") or {})]
+  lines += ["", mechanism_markdown(v)]
   if "default_fbos" in v:
     dfl = v["default_fbos"]
     lines += ["", f"Default FBOS config: {dfl['why']} (`{dfl['arms'][0]}` - `{dfl['arms'][1]}`: "
               f"d {dfl['d']:+.3f}, band {dfl['band']:.3f})."]
   return "\n".join(lines) + "\n"
+
+
+def mechanism_markdown(v: dict) -> str:
+  """What each arm's update did (:func:`mechanism`), mean ± sd over seeds."""
+  cols = list(MECHANISM.items()) + [("epa_ecc_cosine", "cos(EPA, ECC gradients)")]
+  lines = ["What the updates did (means over the training steps, then mean ± sd over seeds; "
+           "the cosine from the logged norms of each term's gradient and of their sum):", "",
+           "| arm | " + " | ".join(label for _, label in cols) + " |",
+           "|---|" + "---|" * len(cols)]
+  for arm, by_seed in v["runs"].items():
+    cells = []
+    for key, _ in cols:
+      cells.append(_ms([q["mechanism"][key] for q in by_seed.values() if "mechanism" in q]))
+    lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
 
 
 def sweep_markdown(sweep: dict, picked: dict) -> str:
