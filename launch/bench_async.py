@@ -186,15 +186,24 @@ def main(argv):
   m = _modelled(config, FLAGS.stream_util, util)
   _measured_section()
   split = _split_model(config)
-  if m["speedup"] < 1.8:
-    _say("what limits it: in the roofline both phases scale about linearly with chips (8K-token "
-         "decode reads a KV cache larger than the weights, so it is bandwidth-bound per chip; "
-         "the update is compute-bound), so giving each phase part of the chips makes each "
-         "slower by as much as overlapping saves: max(R / f, U / (1 - f)) >= R + U for every "
-         "split f. The asynchronous step wins only by what the synchronous one wastes: "
-         "samplers idle behind their longest rows (line 2), the trainer idle while sampling "
-         "and verifying, and the rollout idle while training.")
   b = split["best"]
+  u = split["update"]
+  if b is None or b[f"speedup_{u}_vs_decode_mesh_sync"] <= 1.0:
+    _say("what limits it: no split beats the synchronous step on the decode mesh (4.): both "
+         "phases scale about linearly with chips (8K-token decode reads a KV cache larger than "
+         "the weights, bandwidth-bound per chip; the update is compute-bound), so giving each "
+         "phase part of the chips makes each slower by as much as overlapping saves: "
+         "max(R / f, U / (1 - f)) >= R + U for every split f, unless the split removes waste "
+         "(the drained tail, weight gathers).")
+  else:
+    sy = split["sync"]["decode_mesh"]
+    _say(f"what limits it: the best split is {b['bound']}-bound (rollout never drained "
+         f"{b['rollout_continuous_s']:.1f} s vs {u} update {b[f'train_{u}_s']:.1f} s + sync "
+         f"{b['sync_s']:.2f} s); against the synchronous step on the same decode layout "
+         f"({sy[f'step_{u}_s']:.1f} s) it gains {b[f'speedup_{u}_vs_decode_mesh_sync']:.2f}x, "
+         f"from overlapping the phases and not draining the rollout's tail; the rest of the "
+         f"{b[f'speedup_{u}']:.2f}x over today's synchronous step is the decode layout "
+         f"(no FSDP weight gathers per decode step).")
   _say(json.dumps({
       "modelled_speedup": m["speedup"], "rollout_devices": m["rollout_devices"],
       "split_model": {
@@ -204,7 +213,9 @@ def main(argv):
           "best": None if b is None else {k: b[k] for k in (
               "rollout_devices", "rollout_mesh", "slots", "rollout_continuous_s",
               "rollout_drained_s", "train_padded_s", "train_packed_s", "sync_s",
-              "async_padded_s", "async_packed_s", "speedup_padded", "speedup_packed", "bound")}}}))
+              "async_padded_s", "async_packed_s", "speedup_padded", "speedup_packed",
+              "speedup_padded_vs_decode_mesh_sync", "speedup_packed_vs_decode_mesh_sync",
+              "bound")}}}))
 
 
 if __name__ == "__main__":

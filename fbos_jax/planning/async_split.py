@@ -212,7 +212,8 @@ def _roofline(parts, mesh, rules, chip) -> dict:
   compiled), the rollout on the run's sampler (``sampling.engine``) under the
   ASSUMED response lengths ``hw.RESPONSE_LENGTHS``, as the compiled plan's."""
   shards = sh.batch_shard_count(mesh, rules)
-  reports = {p.name: plan_lib.ProgramReport(p.name, p.what, p.knobs, p.flops)
+  reports = {p.name: plan_lib.ProgramReport(p.name, p.what, p.knobs, p.flops,
+                                            flops_by_layout=p.flops_by_layout)
              for p in plan_lib.step_programs(parts, mesh, rules)}
   rf = hw.roofline(parts.model, mesh, chip, shapes_lib.sampler_shapes(parts, shards), reports,
                    engine_shapes=shapes_lib.engine_shapes(parts), engine=parts.sampling.engine)
@@ -311,18 +312,26 @@ def _modelled_meshes(config, devices, n: int, rollout_mesh: tuple) -> tuple:
 def engine_slots_that_fit(parts, mesh, rules, budget: float) -> dict:
   """The engine slots (at most ``engine.slots``, a multiple of the batch shards)
   whose page pool fits ``budget`` bytes per device on ``mesh``, the pool sized as
-  the engine sizes it for the step's largest call (``planning.engine.describe``)."""
+  the engine sizes it for the step's largest call (``planning.engine.describe``:
+  each shard's slots hold whole rows, their KV heads split over ``tensor``).
+  Raises EngineError when the engine cannot run on ``mesh`` (its batch shards
+  per process)."""
   from fbos_jax.engine.runner import Engine
   from fbos_jax.planning import engine as engine_plan
   shapes = {k: v for k, v in shapes_lib.engine_shapes(parts).items() if k.startswith("sample_")}
   ecfg = shapes_lib.engine_config(parts)
-  per_slot = 0.0
-  for s in shapes.values():
-    d = engine_plan.describe(Engine(parts.model, s.sampling, ecfg, mesh=mesh, rules=rules))
-    per_slot = max(per_slot, d["pool_bytes_per_device"] / (d["slots"] // d["batch_shards"]))
   shards = sh.batch_shard_count(mesh, rules)
-  fit = int(max(budget, 0) // per_slot) // shards * shards
-  return {"slots": min(int(ecfg.slots), fit), "pool_bytes_per_slot": per_slot,
+  most = int(ecfg.slots) // shards * shards  # engine.slots is a multiple of the batch shards
+  if most <= 0:
+    raise EngineError(f"engine.slots={ecfg.slots} is fewer than the mesh's {shards} batch shards")
+  per_slot = 0.0  # bytes per device of one slot of its shard
+  for s in shapes.values():
+    eng = Engine(parts.model, s.sampling, dataclasses.replace(ecfg, slots=most, staged=0),
+                 mesh=mesh, rules=rules)
+    d = engine_plan.describe(eng)
+    per_slot = max(per_slot, d["pool_bytes_per_device"] / (d["slots"] // d["batch_shards"]))
+  fit = int(max(budget, 0) // per_slot) * shards
+  return {"slots": min(most, fit), "pool_bytes_per_slot_per_device": per_slot,
           "slots_configured": int(ecfg.slots)}
 
 
@@ -343,11 +352,18 @@ def rollout_model(parts, mesh, rules, chip, cost: hw.DecodeCost, slots: int,
     for k in ("drained", "continuous"):
       out[f"{k}_s"] += est[k]["total_s"]
   hbm, gathered = hw.decode_weight_bytes(parts.model, mesh.shape)
-  bw = chip.hbm_bandwidth / chip.devices_per_chip
   out["weight_bytes_per_chip"] = {"hbm": hbm, "gathered": gathered}
-  out["weight_s_per_step"] = max(hbm / bw, gathered / cost.ici_bytes_per_s
-                                 if cost.ici_bytes_per_s else 0.0)
+  out["weight_s_per_step"] = weight_s_per_step(parts.model, mesh, chip, cost)
   return out
+
+
+def weight_s_per_step(model_cfg, mesh, chip, cost: hw.DecodeCost) -> float:
+  """Seconds of a decode step's weight traffic on one device of ``mesh``: its HBM
+  reads, or its FSDP gathers over ICI, whichever takes longer
+  (:func:`hardware.decode_weight_bytes`); what the rollout mesh is chosen by."""
+  hbm, gathered = hw.decode_weight_bytes(model_cfg, mesh.shape)
+  bw = chip.hbm_bandwidth / chip.devices_per_chip
+  return max(hbm / bw, gathered / cost.ici_bytes_per_s if cost.ici_bytes_per_s else 0.0)
 
 
 def _mesh_str(shape) -> str:
@@ -380,23 +396,33 @@ def split_model(config, topology: str, *, fixed_s: float = hw.ASSUMED_DECODE_STE
   rules = sh.rules_dict(config.mesh.rules)
   cost = decode_cost(chip, fixed_s)
   run_update = "packed" if parts.update.packed else "padded"
-  slots = int(shapes_lib.engine_config(parts).slots)
 
   def sync_ref(mesh):
-    r = rollout_model(parts, mesh, rules, chip, cost, slots, lengths)
-    t = _roofline(parts, mesh, rules, chip)
-    return {"mesh": _mesh_str(mesh.shape), "rollout_s": r["drained_s"],
+    """The synchronous step on ``mesh`` (all devices): its slots fit beside the
+    train state and one compute copy of the params."""
+    need = split_lib.split_bytes(parts, full, mesh, rules)
+    budget = frac * hbm - need["trainer"] - need["rollout"] / 2 - ASSUMED_ENGINE_WORKSPACE_BYTES
+    n_slots = engine_slots_that_fit(parts, mesh, rules, budget)["slots"]
+    r = rollout_model(parts, mesh, rules, chip, cost, n_slots, lengths)
+    t = _roofline(parts, full, rules, chip)
+    return {"mesh": _mesh_str(mesh.shape), "slots": n_slots, "rollout_s": r["drained_s"],
             "weight_s_per_step": r["weight_s_per_step"],
             "train_padded_s": t["train_padded_s"], "train_packed_s": t["train_packed_s"],
             **{f"step_{k}_s": r["drained_s"] + t[f"train_{k}_s"] for k in ("padded", "packed")}}
 
   full = hw.target_mesh(config, devices)
   sync = {"configured": sync_ref(full)}
-  decode_full = min(rollout_mesh_candidates(parts.model, len(devices)), key=lambda m: (
-      rollout_model(parts, sh.make_mesh(split_lib.rollout_mesh_config(config.mesh, m), devices),
-                    rules, chip, cost, slots, lengths)["weight_s_per_step"]))
-  sync["decode_mesh"] = sync_ref(sh.make_mesh(split_lib.rollout_mesh_config(config.mesh,
-                                                                            decode_full), devices))
+  decode = []  # the rollout meshes of all devices the engine runs on, by weight time
+  for rm in rollout_mesh_candidates(parts.model, len(devices)):
+    mesh = sh.make_mesh(split_lib.rollout_mesh_config(config.mesh, rm), devices)
+    try:
+      engine_slots_that_fit(parts, mesh, rules, 0)
+    except EngineError:
+      continue
+    decode.append((weight_s_per_step(parts.model, mesh, chip, cost), mesh))
+  # the synchronous loop's rollout resharded to the decode mesh (not what it does
+  # today): what the split gains beyond choosing a decode layout
+  sync["decode_mesh"] = sync_ref(min(decode, key=lambda x: x[0])[1])
   rows, trainers = [], {}
   for n in split_candidates(devices):
     for rm in rollout_mesh_candidates(parts.model, n):
@@ -448,6 +474,7 @@ def split_model(config, topology: str, *, fixed_s: float = hw.ASSUMED_DECODE_STE
         row[f"async_{k}_s"] = a
         row[f"async_{k}_drained_s"] = max(r["drained_s"], t[f"train_{k}_s"] + sy)
         row[f"speedup_{k}"] = sync["configured"][f"step_{k}_s"] / a
+        row[f"speedup_{k}_vs_decode_mesh_sync"] = sync["decode_mesh"][f"step_{k}_s"] / a
       row["bound"] = ("rollout" if r["continuous_s"] >= t[f"train_{run_update}_s"] + sy
                       else "update + sync")
       rows.append(row)
@@ -476,14 +503,14 @@ def format_split_model(m: dict) -> str:
   u = m["update"]
   lines = []
   for k, s in m["sync"].items():
-    lines.append(f"synchronous on all chips, {k} rollout mesh {s['mesh']} (data x fsdp x tensor):"
-                 f" rollout (drained) {s['rollout_s']:.1f} s + update padded "
+    lines.append(f"synchronous on all chips, {k} rollout mesh {s['mesh']} (data x fsdp x tensor),"
+                 f" {s['slots']} slots: rollout (drained) {s['rollout_s']:.1f} s + update padded "
                  f"{s['train_padded_s']:.1f} / packed {s['train_packed_s']:.1f} s = "
                  f"{s['step_padded_s']:.1f} / {s['step_packed_s']:.1f} s per step")
   lines.append(f"{'N':>3} {'T':>3}  {'rollout mesh':<12} {'W GB/chip':>9} {'wt ms':>6} "
                f"{'slots':>5} {'roll drain':>10} {'roll cont':>9} {'upd pad':>7} "
                f"{'upd pack':>8} {'sync':>5} {'async pad':>9} {'async pack':>10} "
-               f"{'x pad':>5} {'x pack':>6}  note")
+               f"{'x pad':>5} {'x pack':>6} {'x pack/D':>8}  note")
   for r in m["rows"]:
     head = (f"{r['rollout_devices']:>3} {r['trainer_devices']:>3}{'*' if r.get('chosen') else ' '} "
             f"{r['rollout_mesh']:<12}")
@@ -501,13 +528,17 @@ def format_split_model(m: dict) -> str:
         f"{r['slots']:>5} {r['rollout_drained_s']:>10.1f} {r['rollout_continuous_s']:>9.1f} "
         f"{r['train_padded_s']:>7.1f} {r['train_packed_s']:>8.1f} {r['sync_s']:>5.2f} "
         f"{r['async_padded_s']:>9.1f} {r['async_packed_s']:>10.1f} {r['speedup_padded']:>5.2f} "
-        f"{r['speedup_packed']:>6.2f}  {'; '.join(notes)}")
+        f"{r['speedup_packed']:>6.2f} {r['speedup_packed_vs_decode_mesh_sync']:>8.2f}  "
+        f"{'; '.join(notes)}")
   b = m["best"]
   if b:
     lines.append(f"best split (the run's {u} update): rl.rollout_devices={b['rollout_devices']}, "
                  f"rollout mesh {b['rollout_mesh']} (data x fsdp x tensor), {b['slots']} slots: "
                  f"async {b[f'async_{u}_s']:.1f} s vs sync {m['sync']['configured'][f'step_{u}_s']:.1f}"
-                 f" s per step = {b[f'speedup_{u}']:.2f}x ({b['bound']}-bound)")
+                 f" s per step = {b[f'speedup_{u}']:.2f}x ({b['bound']}-bound); against the "
+                 f"synchronous step on the decode mesh "
+                 f"{m['sync']['decode_mesh'][f'step_{u}_s']:.1f} s: "
+                 f"{b[f'speedup_{u}_vs_decode_mesh_sync']:.2f}x")
   else:
     lines.append("best split: none the run accepts")
   return "\n".join(lines)
