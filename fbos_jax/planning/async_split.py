@@ -541,4 +541,4 @@ def format_split_model(m: dict) -> str:
                  f"{b[f'speedup_{u}_vs_decode_mesh_sync']:.2f}x")
   else:
     lines.append("best split: none the run accepts")
-  return "\n".join(lines)
+  return "\n".join(line.rstrip() for line in lines)
