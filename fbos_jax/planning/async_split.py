@@ -15,6 +15,12 @@
   decode at HBM bandwidth; lower bounds), synchronous on all devices against
   asynchronous on the split, at steady state with eta >= 1:
   ``sync = rollout(all) + train(all)``, ``async = max(rollout(N), train(rest) + sync)``.
+* :func:`split_model`: the faithful model (issue 31): every split of whole hosts
+  and every rollout mesh; the rollout drained and never drained (continuous
+  generation) through the slots that fit; each decode step at an ASSUMED fixed
+  cost (``hardware.ASSUMED_DECODE_STEP_FIXED_S``) + its HBM reads, FLOPs and FSDP
+  weight gathers; the update padded and packed; the rollout mesh chosen for decode
+  (fewest weight bytes moved per chip per step) and the best split.
 
 The interconnect figures (:data:`ICI_BYTES_PER_S`) are public per-chip totals;
 the estimate takes half of them (one direction) for a device's received shard.
