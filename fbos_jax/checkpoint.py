@@ -74,11 +74,12 @@ RESUME_IGNORED_FIELDS = (
 )
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_fields(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """A nested dict (a config's) as {"section.field": value}."""
   out = {}
   if isinstance(tree, dict):
     for k, v in tree.items():
-      out.update(_flatten(v, f"{prefix}{k}."))
+      out.update(flatten_fields(v, f"{prefix}{k}."))
   else:
     out[prefix[:-1]] = tree
   return out
@@ -116,8 +117,8 @@ def check_resume_config(saved: Optional[dict], current: dict, *, allow: bool,
     logging.warning("the checkpoint records no config; cannot check that the "
                     "resumed run uses the same one")
     return []
-  a = _flatten(json.loads(json.dumps(saved, default=str)))
-  b = _flatten(json.loads(json.dumps(current, default=str)))
+  a = flatten_fields(json.loads(json.dumps(saved, default=str)))
+  b = flatten_fields(json.loads(json.dumps(current, default=str)))
   diffs, unknown = [], []
   for field in sorted(set(a) | set(b)):
     if _ignored(field, ignored):
@@ -343,8 +344,10 @@ class Checkpointer:
 
     With ``step=None`` the newest readable checkpoint is restored: unreadable
     newer ones are skipped with a warning and moved aside (see the module
-    doc). A model-config mismatch (``CheckpointMismatchError``) is raised at
-    once. ``CheckpointRestoreError`` when none can be read."""
+    doc). ``expected_meta``: {"model": the model config's dict, "layout": the
+    run's ``fbos_jax.rl.state.StateLayout``}; a model-config or layout mismatch
+    (``CheckpointMismatchError``) is raised at once. ``CheckpointRestoreError``
+    when none can be read."""
     s, out, failures = self._newest_readable(
         step, lambda s: self._restore_step(s, abstract_state, expected_meta))
     self.restored_step = s
@@ -484,21 +487,15 @@ def _check_model(saved: dict, want: dict, where: str):
         "Use another --workdir or the matching config.")
 
 
-# layout fields the state no longer has, with the value that meant "none of it":
-# a checkpoint that recorded that value resumes, any other is refused by name
-_RETIRED_LAYOUT = {"rl.staleness": 0}  # the simulated stale-params history (issue 31)
-
-
-def _check_layout(saved: Optional[dict], want: Optional[dict], where: str):
-  """The fields that shape the rest of the TrainState (``fbos_jax.rl.state.layout``)
-  must match for a resume: raise naming each one and both values. Checkpoints
-  written before the layout was recorded are not checked."""
-  if not saved or not want:
+def _check_layout(saved: Optional[dict], want, where: str):
+  """The fields that shape the rest of the TrainState must match for a resume:
+  ``want`` (the run's ``fbos_jax.rl.state.StateLayout``) against ``saved`` (the
+  layout the checkpoint recorded, :meth:`StateLayout.record`'s format); raise
+  naming each field that differs and both values. Checkpoints written before the
+  layout was recorded are not checked."""
+  if want is None:
     return
-  retired_unused = lambda k: (k not in want and k in _RETIRED_LAYOUT
-                              and saved[k] == _RETIRED_LAYOUT[k])
-  diff = {k: (saved.get(k), want.get(k)) for k in set(saved) | set(want)
-          if saved.get(k) != want.get(k) and not retired_unused(k)}
+  diff = want.differences(saved)
   if diff:
     fields = ", ".join(f"{k}: checkpoint={a!r} config={b!r}" for k, (a, b) in sorted(diff.items()))
     raise CheckpointMismatchError(

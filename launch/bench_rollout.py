@@ -21,23 +21,42 @@ two samplers timed in alternation (A B A B ...) so that both see the same
 background load; wall time is end-to-end ``sample()`` (host input and output
 included).
 
-Workload ``two_round`` (issue 22 (b)): one FBOS step of the tiny config
+Workload ``two_round`` (issues 22 (b), 32): one FBOS step of the tiny config
 (``configs/fbos.py:tiny``: 8 prompts of the sorting task, n = m = 8, the compact
-verifier in its thread pool) on the continuous engine, round 2 behind the
-barrier (``rl.stream_rounds=False``) and streamed (``True``), the same key, so
-the same rollouts. The model is the tiny config's random init with its EOS
-embedding row scaled by ``--eos_scale`` (a random model rarely stops otherwise),
-and ``--two_round_max_new_tokens`` new tokens: lengths median ~5, p90 ~30, p99 at
-the cap. Timed: ``rollout.rollout_step`` (sampling, verification, FAPs, batches),
-median of ``--repeats`` alternating runs after ``--warmups`` untimed ones each.
+verifier in its thread pool) under three schedules with the same key, so the
+same rollouts: on the continuous engine with round 2 behind the barrier
+(``rl.stream_rounds=False``) and streamed in (``True``), each rollout verified
+as it stops, and on the static sampler (barrier). The model is the tiny config's
+random init with its EOS embedding row scaled by ``--eos_scale`` (a random model
+rarely stops otherwise), and ``--two_round_max_new_tokens`` new tokens: lengths
+median ~5, p90 ~30, p99 at the cap. Timed: ``rollout.rollout_step`` (sampling,
+verification, FAPs, batches), median of ``--repeats`` alternating runs after
+``--warmups`` untimed ones each. Printed per schedule: wall time and the
+critical path: sequential decode steps, slot-steps, KV positions read, and a
+modelled accelerator time, decode steps x a fixed per-step cost + KV reads x a
+per-position cost, the costs NAMED (``--cost_model``'s weights and KV bytes at
+``--cost_chip``'s HBM bandwidth, ``fbos_jax.planning.hardware.decode_step_cost``: an
+assumption, not a measurement; on an accelerator a memory-bound step costs
+about the same at 16 rows as at 64, so the decode steps are what streaming
+saves, while on a CPU a step costs in proportion to its rows). The "same
+tokens" check compares every batch's tokens exactly.
 
-Printed per sampler: generated tokens/s, slot utilisation (generated tokens /
-slot-steps computed: static = rows x steps of every call, engine = rows x steps
-of every window), wall time, and for the engine where its time goes (windows
-incl. device work, host scheduling, prefill calls, windows, refills). The last
-line is JSON (``--workloads=row_cost`` adds what a decode step costs at 8-64
-rows, the static sampler, no stops): ``{"long_tail": {"static_tok_s", "continuous_tok_s", "ratio",
-"static_slot_util", "continuous_slot_util", ...}, "two_round": {"barrier_s", "streamed_s", "ratio", ...}}``.
+Workload ``slow_verifier`` (issue 32): ``two_round``'s barrier and streamed
+schedules with every verdict taking ``--slow_verifier_ms`` (20 ms: a sleep, as a
+remote sandbox or judge service's latency) in the pool ``verifier.workers``
+sizes (the config's, or ``--slow_verifier_workers``): whether streaming hides
+verification behind decoding in wall time.
+
+Printed per sampler (``long_tail``): generated tokens/s, slot utilisation
+(generated tokens / slot-steps computed: static = rows x steps of every call,
+engine = rows x steps of every window), wall time, and for the engine where its
+time goes (windows incl. device work, host scheduling, prefill calls, windows,
+refills). The last line is JSON (``--workloads=row_cost`` adds what a decode
+step costs at 8-64 rows, the static sampler, no stops): ``{"long_tail":
+{"static_tok_s", "continuous_tok_s", "ratio", ...}, "two_round": {"barrier_s",
+"streamed_s", "static_s", "barrier_decode_steps", "streamed_decode_steps",
+"static_decode_steps", "*_slot_steps", "*_kv_reads", "*_modelled_s",
+"tokens_equal", ...}, "slow_verifier": {"barrier_s", "streamed_s", ...}}``.
 """
 
 from __future__ import annotations
@@ -76,8 +95,15 @@ flags.DEFINE_integer("two_round_max_new_tokens", 128, "two_round: sampling.max_n
 flags.DEFINE_integer("two_round_slots", 64, "two_round: engine.slots")
 flags.DEFINE_integer("two_round_window", 8, "two_round: engine.window")
 flags.DEFINE_integer("warmups", 3, "two_round: untimed runs of each side first")
-flags.DEFINE_list("workloads", ["long_tail", "two_round"], "which workloads to run "
-                  "(long_tail, two_round, row_cost)")
+flags.DEFINE_integer("slow_verifier_ms", 20, "slow_verifier: latency of every verdict")
+flags.DEFINE_integer("slow_verifier_workers", 0, "slow_verifier: verifier.workers (0: the "
+                     "config's)")
+flags.DEFINE_string("cost_model", "qwen_8b_h100", "the model (a configs/base.py variant) whose "
+                    "decode step prices the critical path (modelled time)")
+flags.DEFINE_string("cost_chip", "NVIDIA H100", "the chip (fbos_jax.planning.hardware.CHIP_SPECS) of "
+                    "the modelled time")
+flags.DEFINE_list("workloads", ["long_tail", "two_round", "slow_verifier"], "which workloads "
+                  "to run (long_tail, two_round, slow_verifier, row_cost)")
 
 
 def build(args):
@@ -98,13 +124,40 @@ def build(args):
   return cfg, params, prompts, bias, eos
 
 
-def two_round(args) -> dict:
-  """Workload (b): one FBOS step, round 2 behind the barrier vs streamed in."""
+SCHEDULES = {"barrier": {"rl.stream_rounds": False},
+             "streamed": {"rl.stream_rounds": True},
+             "static": {"sampling.engine": "static", "rl.stream_rounds": False}}
+
+
+def cost_model(args):
+  """(description, fixed s per decode step, s per KV position read): the NAMED
+  per-step cost the critical-path counts are priced with (an assumption, not a
+  measurement: ``fbos_jax.planning.hardware.decode_step_cost``)."""
+  import configs.base as base
+  from fbos_jax.planning import hardware
+  cfg = qwen.ModelConfig(**base.VARIANTS[args.cost_model]["model"])
+  chip = hardware.CHIP_SPECS[args.cost_chip]
+  fixed, per_pos = hardware.decode_step_cost(cfg, chip)
+  desc = (f"assumed per-step cost: {args.cost_model}'s model ({cfg.num_layers} layers, "
+          f"{cfg.compute_dtype}) on one {chip.name} at {chip.hbm_bandwidth / 1e12:.2f} TB/s: "
+          f"{1e3 * fixed:.2f} ms fixed (its weights) + {1e9 * per_pos:.1f} ns per KV position read")
+  return desc, fixed, per_pos
+
+
+def rounds_workload(args, name: str, schedules: tuple, latency_s: float = 0.0) -> dict:
+  """One FBOS step of the tiny config under each of ``schedules`` (the same key,
+  so the same rollouts): wall time, the critical path (decode steps, slot-steps,
+  KV reads) and the modelled accelerator time; ``latency_s`` > 0: every verdict
+  takes that long (``LatencyVerifier``) in the pool ``verifier.workers`` sizes
+  (``--slow_verifier_workers``, default the config's)."""
   import tempfile
   import configs
+  from fbos_jax import data as data_lib
   from fbos_jax import sharding as sh
   from fbos_jax.rl import rollout, state as state_lib
   from fbos_jax.rl.context import RolloutContext
+  from fbos_jax.testing.verifiers import LatencyVerifier
+  from fbos_jax.verifiers.base import make_verifier
   slots = args.two_round_slots
   # a few fixed row / page-table buckets: the streamed run's admissions vary with
   # when verdicts arrive, and each new bucket would be a compile inside a timed run
@@ -113,52 +166,114 @@ def two_round(args) -> dict:
           "engine.row_buckets": (slots // 4, slots // 2, slots), "engine.page_buckets": (8, 16, 48),
           "sampling.max_new_tokens": args.two_round_max_new_tokens,
           "templates.max_prompt_tokens": 640, "sampling.fap_prompt_buckets": (128, 256, 640)}
-  workdir = tempfile.mkdtemp(prefix="bench_two_round_")
+  if latency_s and args.slow_verifier_workers:
+    over["verifier.workers"] = args.slow_verifier_workers
+  workdir = tempfile.mkdtemp(prefix=f"bench_{name}_")
   mesh = sh.make_mesh({"data": 1}, devices=jax.devices()[:1])
   ctxs = {}
-  for stream in (False, True):
-    c = configs.load("configs/fbos.py:tiny", dict(over, **{"rl.stream_rounds": stream}))
-    ctxs[stream] = RolloutContext.build(c, workdir, mesh=mesh, check_budget=False)
-  parts = ctxs[False].parts
-  eos = ctxs[False].tokenizer.eos_token_id
+  for sched in schedules:
+    c = configs.load("configs/fbos.py:tiny", dict(over, **SCHEDULES[sched]))
+    verifier = LatencyVerifier(make_verifier(c.data), latency_s) if latency_s else None
+    ctxs[sched] = RolloutContext.build(c, workdir, mesh=mesh, check_budget=False,
+                                       verifier=verifier)
+  parts = ctxs[schedules[0]].parts
+  eos = ctxs[schedules[0]].tokenizer.eos_token_id
   state = state_lib.init_state(parts, mesh, sh.rules_dict(c.mesh.rules))
   params = dict(state_lib.compute_params(state.params, parts.model))
   params["embed"] = params["embed"].at[eos].multiply(args.eos_scale)
-  from fbos_jax import data as data_lib
   examples = next(data_lib.make_prompt_iterator(c.data, batch_size=parts.rollout.prompts_per_step,
                                                 process_index=0, process_count=1, seed=args.seed))
   key = state_lib.stream_key(state.rng, "sample", 0)
-  runs, metrics, engine_stats = {False: [], True: []}, {}, {False: [], True: []}
+  # every engine program a run can call, compiled before the timed runs (the
+  # streamed schedule's row and page buckets vary with when verdicts arrive)
+  from fbos_jax import compile_set
+  t0 = time.perf_counter()
+  groups = [g for sched in schedules for g in compile_set.run_programs(ctxs[sched], state)
+            if g.name.endswith("(engine)")]
+  report = compile_set.compile_all(groups)
+  print(f"{name}: the engine's compile set, {report['programs']} programs, "
+        f"{time.perf_counter() - t0:.0f} s", flush=True)
+  runs = {s: [] for s in schedules}
+  trajs = {}
   for _ in range(args.warmups):  # warm-up: compiles (the streamed run's buckets vary)
-    for stream in (False, True):
-      rollout.rollout_step(ctxs[stream], params, examples, key)
+    for sched in schedules:
+      rollout.rollout_step(ctxs[sched], params, examples, key)
   for _ in range(args.repeats):
-    for stream in (False, True):
+    for sched in schedules:
       t0 = time.perf_counter()
-      metrics[stream] = rollout.rollout_step(ctxs[stream], params, examples, key).metrics
-      runs[stream].append(time.perf_counter() - t0)
-      engine_stats[stream].append(ctxs[stream].engine_stats.as_dict())
+      trajs[sched] = rollout.rollout_step(ctxs[sched], params, examples, key)
+      st = ctxs[sched].engine_stats
+      mm = dict(trajs[sched].metrics, **({f"engine/{k}": v for k, v in st.as_dict().items()}
+                                          if st is not None else {}))
+      runs[sched].append((time.perf_counter() - t0, mm))
   for ctx in ctxs.values():
     ctx.close()
-  barrier, streamed = statistics.median(runs[False]), statistics.median(runs[True])
-  m = metrics[True]
-  print(f"\nworkload two_round: FBOS tiny step, {m['rollouts/generated']} rollouts, "
+  desc, fixed, per_pos = cost_model(args)
+  m = trajs[schedules[0]].metrics
+  print(f"\nworkload {name}: FBOS tiny step, {m['rollouts/generated']} rollouts, "
         f"{m['tokens/generated']} tokens, round-1 length mean {m['response/length']:.1f}; "
-        f"{args.two_round_slots} slots; round-2 rows decoded beside round 1's tail: "
-        f"{m['rollout/round2_rows_beside_round1']:.0f} of {m['round2/rollouts']}")
-  print(f"{'barrier':<12} {barrier:8.2f} s   runs " + " ".join(f"{w:.2f}" for w in runs[False]))
-  print(f"{'streamed':<12} {streamed:8.2f} s   runs " + " ".join(f"{w:.2f}" for w in runs[True]))
-  for stream, name in ((False, "barrier"), (True, "streamed")):  # where the time goes
-    st = engine_stats[stream][len(engine_stats[stream]) // 2]
-    print(f"  {name}: {st['windows']} windows, {st['slot_steps']} slot-steps "
-          f"(util {st['slot_util']:.1%}), {st['prefills']} prefill calls; in the engine "
-          f"{st['wall_s']:.2f} s, of which windows {st['window_s']:.2f} s, waiting on "
-          f"verdicts {st['verify_wait_s']:.2f} s")
-  print(f"streamed / barrier: {streamed / barrier:.2f}x the rollout wall time")
-  same = metrics[False]["tokens/generated"] == m["tokens/generated"]
-  return {"barrier_s": barrier, "streamed_s": streamed, "ratio": streamed / barrier,
-          "same_rollouts": bool(same), "slots": args.two_round_slots,
-          "rows_beside_round1": m["rollout/round2_rows_beside_round1"]}
+        f"{slots} slots; verifier.workers {ctxs[schedules[0]].pool.num_workers}"
+        + (f"; every verdict takes {1e3 * latency_s:.0f} ms (sleep)" if latency_s else ""))
+  print(desc)
+  print(f"{'schedule':<10} {'wall s':>7} {'decode steps':>13} {'slot-steps':>11} "
+        f"{'KV reads':>10} {'modelled s':>11}   runs (s)")
+  out: dict = {}
+  for sched in schedules:
+    walls = [w for w, _ in runs[sched]]
+    med = lambda k: statistics.median(float(mm[k]) for _, mm in runs[sched])
+    steps, slot_steps, kv = (med(f"rollout/{k}") for k in ("decode_steps", "slot_steps",
+                                                            "kv_reads"))
+    modelled = steps * fixed + kv * per_pos
+    wall = statistics.median(walls)
+    print(f"{sched:<10} {wall:7.2f} {steps:13.0f} {slot_steps:11.0f} {kv:10.0f} "
+          f"{modelled:11.4f}   " + " ".join(f"{w:.2f}" for w in walls))
+    out.update({f"{sched}_s": wall, f"{sched}_decode_steps": steps,
+                f"{sched}_slot_steps": slot_steps, f"{sched}_kv_reads": kv,
+                f"{sched}_modelled_s": modelled})
+    mm = runs[sched][-1][1]
+    if "engine/prefills" in mm:
+      print(f"  {sched}: {mm['engine/windows']} windows, {mm['engine/prefills']} prefill calls "
+            f"({mm['engine/prefill_tokens']} prompt tokens); in the engine {mm['engine/wall_s']:.2f} s, "
+            f"windows {mm['engine/window_s']:.2f} s, waiting on verdicts {mm['engine/verify_wait_s']:.2f} s")
+      out[f"{sched}_prefills"] = mm["engine/prefills"]
+      out[f"{sched}_prefill_tokens"] = mm["engine/prefill_tokens"]
+    if "rollout/round2_rows_beside_round1" in mm:
+      print(f"  {sched}: round-2 rows decoded beside round 1's tail "
+            f"{mm['rollout/round2_rows_beside_round1']:.0f} of {mm['round2/rollouts']}, started "
+            f"on their own rollout's verdict before the group's {mm['rollout/round2_rows_before_group']:.0f}")
+  if "barrier" in schedules and "streamed" in schedules:
+    out["ratio"] = out["streamed_s"] / out["barrier_s"]
+    out["decode_steps_ratio"] = out["streamed_decode_steps"] / out["barrier_decode_steps"]
+    out["tokens_equal"] = same_tokens(trajs["barrier"], trajs["streamed"])
+    print(f"streamed / barrier: {out['ratio']:.2f}x the wall time, "
+          f"{out['decode_steps_ratio']:.2f}x the decode steps, "
+          f"{out['streamed_modelled_s'] / out['barrier_modelled_s']:.2f}x the modelled time; "
+          f"the same tokens exactly: {out['tokens_equal']}")
+  if "static" in schedules and "barrier" in schedules:
+    out["static_tokens_equal"] = same_tokens(trajs["barrier"], trajs["static"])
+    print(f"static sampler: the same tokens as the engine's barrier: "
+          f"{out['static_tokens_equal']} (float-flipped draws may differ)")
+  out["cost_model"] = desc
+  return out
+
+
+def same_tokens(a, b) -> bool:
+  """Whether two steps' batches hold exactly the same tokens (every batch)."""
+  return a.batches.keys() == b.batches.keys() and all(
+      np.array_equal(np.asarray(a.batches[k].tokens), np.asarray(b.batches[k].tokens))
+      for k in a.batches)
+
+
+def two_round(args) -> dict:
+  """Workload (b): one FBOS step, round 2 behind the barrier, streamed in, and
+  on the static sampler."""
+  return rounds_workload(args, "two_round", ("barrier", "streamed", "static"))
+
+
+def slow_verifier(args) -> dict:
+  """Issue 32's slow verifier: every verdict takes ``--slow_verifier_ms``."""
+  return rounds_workload(args, "slow_verifier", ("barrier", "streamed"),
+                         latency_s=args.slow_verifier_ms / 1e3)
 
 
 def main(argv):
@@ -169,6 +284,8 @@ def main(argv):
     out["long_tail"] = long_tail(args)
   if "two_round" in args.workloads:
     out["two_round"] = two_round(args)
+  if "slow_verifier" in args.workloads:
+    out["slow_verifier"] = slow_verifier(args)
   if "row_cost" in args.workloads:
     out["row_cost"] = row_cost(args)
   print(json.dumps(out))

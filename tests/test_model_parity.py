@@ -13,7 +13,8 @@ import pytest
 import torch
 import transformers
 
-from fbos_jax.model import forward, init_cache, load_hf_params, logits_from_hidden
+from fbos_jax.model import forward, init_cache, load_hf_params
+from fbos_jax.model import logits as model_logits
 from fbos_jax.model import apply as model_apply
 
 TINY = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -125,7 +126,7 @@ def test_kv_cache_prefill_decode_matches_full_forward(case):
   def step(params, tok, pos, cache, kv_mask, cfg, idx):
     hidden, cache = forward(params, tok, jnp.ones_like(tok), cfg, positions=pos, cache=cache,
                             cache_index=idx, kv_mask=kv_mask)
-    return logits_from_hidden(params, hidden, cfg), cache
+    return model_logits(params, hidden, cfg), cache
 
   cache = init_cache(cfg, b, t + N_NEW)
   kv_mask = np.concatenate([pmask, np.zeros((b, N_NEW), np.int32)], axis=1)

@@ -11,22 +11,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT = ("fbos_jax", "fbos_kernels")
 
-# Left when this check was written: the engine and the context reach into the static
-# sampler (issue 35 item 4 makes those helpers public in a sampling/ package), and the
-# state into the checkpoint's flattening. Each entry: "importer -> module.name".
-KNOWN = {
-    "fbos_jax.engine.programs -> fbos_jax.sampling._choose",
-    "fbos_jax.engine.programs -> fbos_jax.sampling._rules_key",
-    "fbos_jax.engine.runner -> fbos_jax.sampling._mesh_processes",
-    "fbos_jax.engine.runner -> fbos_jax.sampling._stop_slots",
-    "fbos_jax.engine.runner -> fbos_jax.sampling._agree_prompts",
-    "fbos_jax.engine.runner -> fbos_jax.sampling._as_rows",
-    "fbos_jax.planning.engine -> fbos_jax.sampling._stop_slots",
-    "fbos_jax.rl.context -> fbos_jax.sampling._mesh_processes",
-    "fbos_jax.rl.state -> fbos_jax.checkpoint._flatten",
-}
-
-
 def _modules(root: str) -> dict:
   """{dotted module name: (path, is a package)} of fbos_jax/ and kernels/fbos_kernels/."""
   out = {}
@@ -103,14 +87,6 @@ def test_the_check_finds_a_private_name_used_across_packages(tmp_path):
       "fbos_jax.b.z -> fbos_jax.a.x._h", "fbos_jax.c -> fbos_kernels._k"}
 
 
-def test_no_new_private_name_is_used_across_packages():
-  """Every use found is one of KNOWN (fixing one is fine: remove it from KNOWN)."""
-  new = private_uses_across_packages(ROOT) - KNOWN
-  assert not new, "private names used across packages:\n" + "\n".join(sorted(new))
-
-
-@pytest.mark.xfail(strict=False, reason="KNOWN: sampling's helpers (issue 35 item 4, the "
-                   "sampling/ package) and checkpoint._flatten")
 def test_no_private_name_is_used_across_packages():
   found = private_uses_across_packages(ROOT)
-  assert not found, "\n".join(sorted(found))
+  assert not found, "private names used across packages:\n" + "\n".join(sorted(found))

@@ -12,6 +12,9 @@ import pytest
 
 from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import metrics as metrics_lib
+from fbos_jax.model import qwen
+from fbos_jax.rl.config import OptimConfig
+from fbos_jax.rl.state import StateLayout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -218,15 +221,48 @@ def test_console_quiet_by_default_and_full_log_in_workdir(tmp_path, clean_loggin
     console.parse_verbosity("loud")
 
 
+# the "layout" a checkpoint's meta holds, as every checkpoint so far recorded it (written
+# by the former fbos_jax.rl.state.layout(parts)): a KL run with the adaptive GFPO history
+# and gradient clipping, and a run with none of them
+RECORDED_FULL = {"rl.kl_beta > 0": True, "rl.gfpo_adaptive": True, "rl.gfpo_history": 64,
+                 "optim.opt_state_dtype": "float32", "optim.grad_clip > 0": True}
+RECORDED_BARE = {"rl.kl_beta > 0": False, "rl.gfpo_adaptive": False, "rl.gfpo_history": None,
+                 "optim.opt_state_dtype": "bfloat16", "optim.grad_clip > 0": False}
+
+
+def _layout(**kw):
+  optim = OptimConfig(learning_rate=1e-6, grad_clip=kw.pop("grad_clip", 1.0),
+                      opt_state_dtype=kw.pop("opt_state_dtype", "float32"))
+  return StateLayout(model=qwen.ModelConfig(), optim=optim, **kw)
+
+
+def test_the_state_layout_records_and_reads_the_checkpoints_format():
+  """StateLayout.record() keeps the format checkpoints recorded (so theirs still
+  resume), and a checkpoint of the same layout, read back from its JSON meta,
+  shows no difference."""
+  full = _layout(kl_reference=True, gfpo_history=64)
+  bare = _layout(grad_clip=0.0, opt_state_dtype="bfloat16")
+  assert full.record() == RECORDED_FULL and bare.record() == RECORDED_BARE
+  for lay, recorded in ((full, RECORDED_FULL), (bare, RECORDED_BARE)):
+    assert lay.differences(json.loads(json.dumps(recorded))) == {}
+    ckpt_lib._check_layout(json.loads(json.dumps(recorded)), lay, "W")
+  assert full.differences(RECORDED_BARE).keys() == RECORDED_FULL.keys()
+  ckpt_lib._check_layout(None, full, "W")  # written before the layout was recorded
+  ckpt_lib._check_layout({}, full, "W")
+
+
 def test_a_layout_field_the_state_no_longer_has_resumes_only_at_its_none_value():
   """rl.staleness (the simulated stale-params history, removed) recorded as 0
   held nothing: such a checkpoint resumes. Recorded > 0 it held a history this
   state has no place for: refused, naming the field, as is any one-sided field."""
-  want = {"rl.kl_beta > 0": False, "optim.grad_clip > 0": True}
-  ckpt_lib._check_layout(dict(want, **{"rl.staleness": 0}), want, "W")
+  want = _layout()
+  saved = want.record()
+  ckpt_lib._check_layout(dict(saved, **{"rl.staleness": 0}), want, "W")
   with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"rl.staleness: checkpoint=2 config=None"):
-    ckpt_lib._check_layout(dict(want, **{"rl.staleness": 2}), want, "W")
-  with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"rl.new_part: checkpoint=None config=1"):
-    ckpt_lib._check_layout(want, dict(want, **{"rl.new_part": 1}), "W")
+    ckpt_lib._check_layout(dict(saved, **{"rl.staleness": 2}), want, "W")
+  older = {k: v for k, v in saved.items() if k != "optim.grad_clip > 0"}
+  with pytest.raises(ckpt_lib.CheckpointMismatchError,
+                     match=r"optim.grad_clip > 0: checkpoint=None config=True"):
+    ckpt_lib._check_layout(older, want, "W")
   with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"rl.kl_beta > 0: checkpoint=True"):
-    ckpt_lib._check_layout(dict(want, **{"rl.kl_beta > 0": True}), want, "W")
+    ckpt_lib._check_layout(dict(saved, **{"rl.kl_beta > 0": True}), want, "W")

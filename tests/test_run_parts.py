@@ -12,6 +12,7 @@ import pytest
 import configs
 from fbos_jax import checkpoint as ckpt_lib
 from fbos_jax import sampling
+from fbos_jax import sharding as sh
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import rollout as R
 from fbos_jax.rl import shapes
@@ -65,7 +66,7 @@ def test_the_step_pads_to_the_shape_model(tmp_path, small, one_device_mesh, monk
     calls.append((batch, prompt_len, n_per_prompt))
     return real(cfg, scfg, batch=batch, prompt_len=prompt_len, n_per_prompt=n_per_prompt, **kw)
 
-  monkeypatch.setattr(sampling, "get_generate_fn", recording)
+  monkeypatch.setattr(sampling.static, "get_generate_fn", recording)  # sample() looks it up there
   batches = R.rollout_step(tr.ctx, state.params, next(tr.train_iter),
                            state_lib.stream_key(state.rng, "sample", 0)).batches
   want = shapes.update_shapes(tr.parts, batch_shards=1)
@@ -139,6 +140,39 @@ def test_params_only_restore_and_the_layout_check(tmp_path, small, one_device_me
                      match=r"rl\.kl_beta > 0: checkpoint=False config=True"):
     tr.maybe_restore(tr.init_state())
   tr.close()
+
+
+def test_the_state_layout_is_what_the_state_holds(one_device_mesh):
+  """StateLayout.of(parts) is the one home of the TrainState's optional parts:
+  the KL reference with rl.kl_beta > 0, the GFPO history with rl.gfpo_adaptive,
+  the optimizer's clip state with optim.grad_clip > 0; abstract_state holds
+  exactly those, and runs of one layout share it (a hashable program key)."""
+  def parts(spec, **fields):
+    c = configs.load(spec)
+    with c.unlocked():
+      for k, v in fields.items():
+        *section, name = k.split(".")
+        (c[section[0]] if section else c)[name] = v
+    return config_lib.build_parts(c, pad_id=0, eos_id=1)
+
+  rules = sh.DEFAULT_RULES
+  bare = parts("configs/grpo.py:tiny", **{"rl.kl_beta": 0.0, "optim.grad_clip": 0.0})
+  full = parts("configs/gfpo.py:tiny,adaptive", **{"rl.kl_beta": 0.1, "rl.gfpo_history": 32,
+                                                   "optim.grad_clip": 1.0})
+  lb, lf = state_lib.StateLayout.of(bare), state_lib.StateLayout.of(full)
+  assert (lb.kl_reference, lb.gfpo_history, lf.kl_reference, lf.gfpo_history) == (
+      False, 0, True, 32)
+  sb = state_lib.abstract_state(bare, one_device_mesh, rules)
+  sf = state_lib.abstract_state(full, one_device_mesh, rules)
+  assert sb.ref_params is None and sb.gfpo is None
+  assert jax.tree.structure(sf.ref_params) == jax.tree.structure(sf.params)
+  assert jax.tree.leaves(sf.gfpo)[0].shape[0] == 32
+  assert (len(sb.opt_state), len(sf.opt_state)) == (1, 2)  # optax.chain: [the clip,] adamw
+  assert state_lib.abstract_state(lf, one_device_mesh, rules) == sf  # parts or their layout
+  other_seed = parts("configs/grpo.py:tiny", seed=7, **{"rl.kl_beta": 0.0,
+                                                       "optim.grad_clip": 0.0})
+  assert state_lib.StateLayout.of(other_seed) == lb and hash(lb) == hash(
+      state_lib.StateLayout.of(other_seed))
 
 
 # ---------------------------------------------------------------- shared programs

@@ -382,6 +382,23 @@ def test_pool_process_backend_kills_hung_calls():
     assert [v.reward for v in verdicts] == [1.0, 0.0]
 
 
+def test_pool_process_backend_under_concurrent_calls():
+  """Issue 32: the streamed rounds verify each rollout alone as it stops, from
+  several threads at once. Each call checks out its own workers: every verdict
+  is its own row's, and the pool never holds more than num_workers processes."""
+  import concurrent.futures
+  from fbos_jax.testing.small import parity_reward
+  from fbos_jax.testing.verifiers import LatencyVerifier
+  responses = ["ab", "a", "abcd", "abc", "", "abcde", "xy", "x"]
+  with VerifierPool(LatencyVerifier(parity_reward, 0.05), num_workers=2, timeout_s=30.0,
+                    backend="process") as pool:
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+      got = list(ex.map(lambda r: pool.verify_one({"prompt": "q"}, r), responses))
+    assert [v.reward for v in got] == [float(len(r) % 2 == 0) for r in responses]
+    assert len(pool._workers) <= 2  # pylint: disable=protected-access
+    assert pool.totals["calls"] == len(responses) and pool.totals["errors"] == 0
+
+
 def test_pool_rejects_unpicklable_for_process_backend():
   with pytest.raises(ValueError, match="picklable"):
     VerifierPool(lambda e, r: Verdict(1.0, ""), backend="process")

@@ -11,6 +11,9 @@ prompt i draws step t from ``fold_in(fold_in(key, t), i * n + j)`` whatever slot
 or window it ran in, so greedy tokens equal the static sampler's, sampled tokens
 too except where a float difference flips a draw, and the log-probs are the
 same temperature-scaled, full-vocabulary ones (teacher forcing reproduces them).
+It draws, agrees on prompt rows and stops as the static sampler does, through the
+public functions of :mod:`fbos_jax.sampling.shared`. This package moves into
+``fbos_jax/sampling/`` once the work on its runner (the async issue) has landed.
 
 Streaming (rounds that feed each other while the engine runs)::
 

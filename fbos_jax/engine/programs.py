@@ -26,7 +26,7 @@ cannot partition the Pallas kernel anyway).
 
 Window (``W = EngineConfig.window`` steps at most, no host round trip): every
 step feeds each live slot's last token at its position, draws the next token
-with ``sampling._choose`` from ``u = sampling.key_uniform(key_row, t_row,
+with ``sampling.choose`` from ``u = sampling.key_uniform(key_row, t_row,
 sid_row)`` (t_row the row's own step: the static sampler's key contract) and
 stops a row on a stop token or at its ``limit``. A slot whose row stopped takes
 the next staged row of its shard (already prefilled; at most
@@ -349,18 +349,6 @@ def _con_pool(pool, cfg, st, mesh, rules):
                       pool, specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def _logits_fn(params, cfg, vocab_limit: int = 0):
-  """[B, D] -> [B, V] float32, the static sampler's arithmetic (a tied model
-  multiplies by the embedding as stored; ids >= ``vocab_limit`` at -inf)."""
-  dt = cfg.dtype
-  if cfg.tie_embeddings:
-    unembed, spec = params["embed"].astype(dt), "bd,vd->bv"
-  else:
-    unembed, spec = params["unembed"].astype(dt), "bd,dv->bv"
-  return lambda h: sampling.restrict_vocab(
-      jnp.einsum(spec, h, unembed, preferred_element_type=jnp.float32), vocab_limit)
-
-
 def _init_pool(*, cfg, st, pages_per_shard, mesh, rules):
   pool = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), pool_shapes(cfg, st, pages_per_shard))
   return _con_pool(pool, cfg, st, mesh, rules)
@@ -415,7 +403,7 @@ class _Win:
     self.m = min(self.r, self.q, st.swaps)  # staged rows a shard can take per step
     self.con = _constrainer(mesh, rules)
     run_params = _prep_params(params, cfg, st, mesh, rules)
-    self.logits_of = _logits_fn(run_params, cfg, st.vocab_limit)
+    self.logits_of = sampling.step_logits_fn(run_params, cfg, st.vocab_limit)
     self.pad = jnp.int32(st.pad_id)
     self.dense = st.impl == "xla"  # XLA: one gather per window into a dense per-row cache
     self.mesh, self.rules = mesh, rules
@@ -447,8 +435,8 @@ class _Win:
     if not st.greedy:
       u = jax.vmap(sampling.key_uniform)(_u32(rs["ints"][:, 4:6]), rs["ints"][:, _STEP],
                                          _u32(rs["ints"][:, 6]))
-    return sampling._choose(logits, None, self.temperature, self.top_p, greedy=st.greedy,
-                            top_k=st.top_k, use_top_p=st.use_top_p, u=u)
+    return sampling.choose(logits, None, self.temperature, self.top_p, greedy=st.greedy,
+                           top_k=st.top_k, use_top_p=st.use_top_p, u=u)
 
   def swap(self, rs, done, src, wb, nxt, cache):
     """Idle slots take the next staged rows of their shard (at most m per shard)."""
@@ -573,16 +561,12 @@ def _window(params, pool, last, pos, step, limit, keys, sids, live, page_table, 
 _PROGRAMS = program_cache.ProgramCache()
 
 
-def _rules_key(rules):
-  return sampling._rules_key(rules)
-
-
 def get_fn(kind: str, cfg: qwen.ModelConfig, st: Static, *, mesh=None, rules=None,
            pages_per_shard: int = 0):
   """The jitted program ``kind`` ('init', 'prefill', 'window'), built once per
   (model config, static options, mesh, rules) and cached; one compile per shape
   bucket."""
-  key = (kind, cfg, st, mesh, _rules_key(rules), pages_per_shard if kind == "init" else 0)
+  key = (kind, cfg, st, mesh, sampling.rules_key(rules), pages_per_shard if kind == "init" else 0)
   return _PROGRAMS.get(key, lambda: _build(kind, cfg, st, mesh, rules, pages_per_shard),
                        name=f"engine {kind}")
 

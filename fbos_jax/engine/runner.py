@@ -207,7 +207,7 @@ class Engine:
     self.ecfg = (engine_config or EngineConfig()).validate()
     self.mesh, self.rules = mesh, rules
     e, s = self.ecfg, self.scfg
-    self.nproc = sampling._mesh_processes(mesh)
+    self.nproc = sampling.mesh_processes(mesh)
     self.shards = sh.batch_shard_count(mesh, self.rules) if mesh is not None else 1
     lay = pool_layout(e, s, self.shards, self.nproc)
     self.sps, self.qs, self.local_shards = lay.slots_per_shard, lay.staged_per_shard, \
@@ -228,7 +228,7 @@ class Engine:
     self.st = programs.Static(
         page_size=ps, window=int(e.window), greedy=s.is_greedy, top_k=int(s.top_k),
         use_top_p=float(s.top_p) < 1.0,
-        num_stop_slots=sampling._stop_slots(len(s.stop_token_ids)), pad_id=int(s.pad_id),
+        num_stop_slots=sampling.stop_slots(len(s.stop_token_ids)), pad_id=int(s.pad_id),
         unroll=unroll, cache_dtype=s.cache_dtype, impl=impl, shards=self.shards,
         bias=bool(logit_bias), device_kind=device_kind if impl == "pallas" else None,
         swaps=int(e.swaps_per_step), stage_len=self.stage_pages * ps,
@@ -340,14 +340,15 @@ class Engine:
       per_shard = [[p for p in todo if p.shard == s] for s in range(self.local_shards)]
       calls = int(self._agree(max(-(-len(x) // cap) for x in per_shard))[:, 0].max())
       for ci in range(calls):
-        pool = self._prefill_call(params, pool, [x[ci * cap:(ci + 1) * cap] for x in per_shard])
+        pool = self._prefill_call(params, pool, [x[ci * cap:(ci + 1) * cap] for x in per_shard],
+                                  stats)
         stats.prefills += 1
       for p in todo:
         p.done = min(p.tokens.size, p.done + self.chunk)
     pieces.clear()
     return pool
 
-  def _prefill_call(self, params, pool, per_shard: list):
+  def _prefill_call(self, params, pool, per_shard: list, stats: EngineStats):
     """One prefill program call: the next chunk of each piece in ``per_shard``."""
     ps = self.st.page_size
     todo = [p for x in per_shard for p in x]
@@ -366,6 +367,7 @@ class Engine:
         k = min(self.chunk, p.tokens.size - p.done)
         a["tokens"][r, :k] = p.tokens[p.done:p.done + k]
         a["start"][r], a["n_valid"][r] = p.done, k
+        stats.prefill_tokens += k
         used = p.pages[:pb]
         a["table"][r, :len(used)] = used
         if p.copies:
@@ -569,6 +571,7 @@ class Engine:
     stats.window_s += time.perf_counter() - t0
     stats.windows += 1
     stats.slot_steps += n * steps
+    stats.decode_steps += steps
     window = self._windows  # this run's window index
     self._windows += 1
     b_global, q_off = self.shards * rb, first_shard * qb
@@ -611,6 +614,8 @@ class Engine:
           r.tokens.extend(toks[k, i:j].tolist())
           r.logprobs.extend(lps[k, i:j].tolist())
           r.versions.extend([r.kv_version] * (j - i))
+          # token t at position pos + t attends to its pos + t + 1 keys
+          stats.kv_reads += (j - i) * (r.pos + 1) + (j - i) * (j - i - 1) // 2
           r.last = int(toks[k, j - 1])
           r.step += j - i
           r.pos += j - i
@@ -728,8 +733,8 @@ class Engine:
     n = int(n_per_prompt)
     if n < 1:
       raise sampling.SamplingError(f"n_per_prompt={n_per_prompt} must be >= 1.")
-    agreed = sampling._agree_prompts(sampling._as_rows(prompts, prompt_mask), scfg,
-                                     self.cfg.vocab_size, self.mesh, allow_empty)
+    agreed = sampling.agree_prompts(sampling.as_rows(prompts, prompt_mask), scfg,
+                                    self.cfg.vocab_size, self.mesh, allow_empty)
     r_len = self.R
     if agreed is None:
       return sampling.SampleOutput.empty(r_len)

@@ -216,9 +216,19 @@ class EngineStats:
   dispatch until its results are on the host (device work, including the
   prefills queued before it); wall_s: time inside the engine; swaps: weight
   updates taken between windows; recomputed_tokens: KV positions redone after
-  them (``recompute``)."""
+  them (``recompute``).
+
+  The critical path (what an accelerator pays, where a memory-bound decode step
+  costs about the same at 16 rows as at 64): decode_steps, the sequential decode
+  steps of every window (each window's steps, whatever its rows); prefill_tokens,
+  the prompt tokens prefilled (chunks, recomputes included); kv_reads, the keys
+  generated tokens attended to (each token reads its row's positions so far: the
+  KV bytes a paged kernel reads are kv_reads x bytes per position)."""
   tokens: int = 0
   slot_steps: int = 0
+  decode_steps: int = 0
+  prefill_tokens: int = 0
+  kv_reads: int = 0
   rows: int = 0
   pages_peak: int = 0
   windows: int = 0

@@ -80,7 +80,7 @@ def abstract_programs(cfg: qwen.ModelConfig, scfg: sampling.SamplingConfig,
   b = eng.shards * eng.sps
   q = eng.shards * eng.qs
   pb = max(eng.page_buckets)
-  stop = jax.ShapeDtypeStruct((sampling._stop_slots(len(scfg.stop_token_ids)),), jnp.int32,
+  stop = jax.ShapeDtypeStruct((sampling.stop_slots(len(scfg.stop_token_ids)),), jnp.int32,
                               sharding=rep)
   fields = lambda n: [rows(n), rows(n), rows(n), rows(n), rows(n, 2, dtype=jnp.uint32),
                       rows(n, dtype=jnp.uint32)]

@@ -361,9 +361,28 @@ def decode_weight_bytes(model_cfg, mesh_shape) -> tuple:
   return share, share * (fsdp - 1) / fsdp
 
 
-def _kv_bytes_per_device(model_cfg, mesh, rows: int, ctx: float) -> float:
+def kv_bytes_per_position(model_cfg) -> int:
+  """Bytes of one position's keys and values over every layer (``compute_dtype``)."""
   per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim
-  per_token *= jnp.dtype(model_cfg.compute_dtype).itemsize
+  return per_token * jnp.dtype(model_cfg.compute_dtype).itemsize
+
+
+def decode_step_cost(model_cfg, chip: ChipSpec) -> tuple:
+  """(fixed seconds per decode step, seconds per KV position read) of a
+  memory-bound decode step of ``model_cfg`` on one ``chip`` at its HBM bandwidth:
+  every weight read once per step, whatever its rows, then the keys and values of
+  each position a generated token attends to. The per-step cost a schedule's
+  critical-path counts (``EngineStats.decode_steps`` / ``kv_reads``) are priced
+  with: an assumption (no launch overhead, no compute term, no
+  tensor parallelism), not a measurement."""
+  bw = chip.hbm_bandwidth / chip.devices_per_chip
+  weights = qwen.count_params(qwen.abstract_params(model_cfg))
+  weights *= jnp.dtype(model_cfg.compute_dtype).itemsize
+  return weights / bw, kv_bytes_per_position(model_cfg) / bw
+
+
+def _kv_bytes_per_device(model_cfg, mesh, rows: int, ctx: float) -> float:
+  per_token = kv_bytes_per_position(model_cfg)
   shards = sh.batch_shard_count(mesh) * min(mesh.shape["tensor"], model_cfg.num_kv_heads)
   return rows * ctx * per_token / shards
 

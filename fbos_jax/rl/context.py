@@ -76,7 +76,7 @@ def check_engine_pools(parts: config_lib.RunParts, mesh=None, rules=None, *, pro
   for name, scfg in calls.items():
     try:
       runner.pool_layout(shapes.engine_config(parts), scfg, shards,
-                         sampling_lib._mesh_processes(mesh))
+                         sampling_lib.mesh_processes(mesh))
     except runner.EngineError as e:
       raise runner.EngineError(f"the continuous engine's {name} calls: {e}") from None
 

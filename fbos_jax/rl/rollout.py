@@ -4,8 +4,9 @@ The rollout spec (:class:`fbos_jax.rl.config.RolloutSpec`) says which phases run
 and which batches the terms of the objective need::
 
     rounds      round 1 -> verify -> round 2 -> verify, behind a barrier
-                (fbos_jax/rl/rounds.py) or streamed into one engine run
-                (``rl.stream_rounds``, fbos_jax/rl/stream.py)
+                (fbos_jax/rl/rounds.py; on the continuous engine each rollout
+                verified as it stops, fbos_jax/rl/stream.py) or streamed into
+                one engine run (``rl.stream_rounds``)
     gfpo_select GFPO: which round-1 rollouts of each group the update keeps
     BATCHES     "epa":  round-1 rows on q + selected round-2 rows re-scored on q
                 "ecc":  round-2 rows on their FAPs
@@ -244,8 +245,10 @@ def rollout_step(ctx: RolloutContext, params, examples: list, key, *,
   t0 = time.perf_counter()
   ctx.engine_stats = new_engine_stats(ctx)
   spec = ctx.spec
-  if spec.round2 and spec.stream_rounds:
-    r1, r2, vs1, vs2 = stream.streamed_rounds(ctx, params, examples, key)
+  if ctx.parts.sampling.engine == "continuous":  # each rollout verified as it stops
+    rounds = stream.streamed_rounds if spec.round2 and spec.stream_rounds else \
+        stream.barrier_rounds
+    r1, r2, vs1, vs2 = rounds(ctx, params, examples, key)
     m = {"time/rounds_s": time.perf_counter() - t0}
   else:
     k1, k2 = jax.random.split(key)
@@ -268,8 +271,8 @@ def trajectory(ctx: RolloutContext, examples: list, r1: Rollouts, r2: Optional[R
   pool's stats of each; ``m``: the step's timings so far; ``t0``: when it began):
   GFPO, the batches of the update's terms, the metrics."""
   spec = ctx.spec
-  if "rollout/round2_rows_beside_round1" in (vs2 or {}):
-    m["rollout/round2_rows_beside_round1"] = vs2.pop("rollout/round2_rows_beside_round1")
+  for k in [k for k in (vs2 or {}) if k.startswith("rollout/")]:  # the engine's rounds
+    m[k] = vs2.pop(k)
   m.update(round1_metrics(r1, ctx.threshold), **verifier_metrics(vs1, "round1"))
   if r2 is not None:
     m.update(verifier_metrics(vs2, "round2"))
@@ -300,17 +303,29 @@ def new_engine_stats(ctx: RolloutContext):
 
 def _sampler_metrics(ctx: RolloutContext, rounds: list) -> dict:
   """``rollout/slot_util``: generated tokens / slot-steps computed (the static
-  sampler runs every row of a call to its longest row); with the continuous
-  engine also ``rollout/pages_peak``, ``rollout/windows``, ``rollout/refills``
-  and ``time/verify_wait_s`` (the engine waited on verdicts)."""
+  sampler runs every row of a call to its longest row); the critical path:
+  ``rollout/decode_steps`` (sequential decode steps), ``rollout/slot_steps`` and
+  ``rollout/kv_reads`` (positions generated tokens attend to; the static sampler's
+  finished rows read theirs too); with the continuous engine also
+  ``rollout/pages_peak``, ``rollout/windows``, ``rollout/refills`` and
+  ``time/verify_wait_s`` (the engine waited on verdicts). The static figures
+  count one sampler call per round (rounds larger than the largest
+  ``sampling.batch_buckets`` are split into more)."""
   st = ctx.engine_stats
   if st is not None:
     return {"rollout/slot_util": st.slot_util, "rollout/pages_peak": st.pages_peak,
             "rollout/windows": st.windows, "rollout/refills": st.refills,
-            "time/verify_wait_s": st.verify_wait_s}
+            "rollout/decode_steps": st.decode_steps, "rollout/slot_steps": st.slot_steps,
+            "rollout/kv_reads": st.kv_reads, "time/verify_wait_s": st.verify_wait_s}
   tokens = sum(int(ro.lengths[ro.valid].sum()) for ro in rounds)
-  steps = sum(int(ro.valid.sum()) * int(ro.lengths[ro.valid].max(initial=0)) for ro in rounds)
-  return {"rollout/slot_util": tokens / steps if steps else 0.0}
+  longest = [int(ro.lengths[ro.valid].max(initial=0)) for ro in rounds]
+  rows = [int(ro.valid.sum()) for ro in rounds]
+  steps = sum(r * t for r, t in zip(rows, longest))
+  ctx_len = [max((len(c) for cs in ro.contexts for c in cs), default=0) for ro in rounds]
+  kv = sum(r * (t * c + t * (t - 1) // 2) for r, t, c in zip(rows, longest, ctx_len))
+  return {"rollout/slot_util": tokens / steps if steps else 0.0,
+          "rollout/decode_steps": sum(longest), "rollout/slot_steps": steps,
+          "rollout/kv_reads": kv}
 
 
 def _verifier_totals(m: dict) -> dict:

@@ -8,8 +8,9 @@ prompt ``p``. Nothing here branches on an algorithm's name::
     verify      rewards, feedback and error flags from the verifier pool
     round2      "single":     m rollouts per prompt from its FAP(q, o_i, F_i)s
                 "aggregated": m rollouts per prompt from GOLF's one prompt
-                (row [p, j] draws from stream (p, j): the same rows whether the
-                round waits for every verdict or streams, fbos_jax/rl/stream.py)
+                (a row draws the stream of (prompt, source, replica): the same
+                rows whether the round waits for every verdict or starts rollout
+                by rollout, fbos_jax/rl/stream.py)
 
 Every row carries the policy version of each of its tokens (``Rollouts.versions``,
 the sampler's labels: :meth:`fbos_jax.rl.context.RolloutContext.sample`), beside
@@ -139,30 +140,63 @@ def verify(ctx: RolloutContext, ro: Rollouts, examples: list) -> dict:
   return stats
 
 
+def round2_quota(n: int, m: int) -> int:
+  """Round-2 rows every selected rollout of a group of ``n`` gets, whatever the
+  other verdicts: the round-robin of :func:`~fbos_jax.rl.assemble.round2_plan`
+  spreads m rows over k <= n selected rollouts, so each gets at least
+  floor(m / k) >= floor(m / n). A streamed round 2 starts these rows the moment
+  the rollout's own verdict lands; the rest wait for the group
+  (``fbos_jax/rl/stream.py``)."""
+  return int(m) // int(n)
+
+
+def round2_stream(base: int, p: int, source: int, replica: int, n: int, m: int) -> int:
+  """The key-contract stream of a round-2 row: replica ``replica`` of the FAP of
+  round-1 rollout ``source`` of prompt ``p`` (this process's prompts start at
+  global prompt ``base``; groups of ``n``, ``m`` round-2 rows per prompt), or row
+  ``replica`` of GOLF's aggregated prompt (``source`` -1). Keyed by (prompt,
+  source, replica), never by the row's place in the [P, m] grid (which depends on
+  the group's other verdicts), so a round 2 that starts rollout by rollout draws
+  the same tokens as one behind the barrier."""
+  if source < 0:
+    return (base + p) * m + replica
+  return ((base + p) * n + source) * m + replica
+
+
 @dataclasses.dataclass
 class Round2Call:
   """One round-2 context of prompt ``p``: ``n`` rows from ``prompt`` (a
   ``templates.Prompt``), rows ``j0 .. j0 + n - 1`` of the prompt's m, built from
-  the round-1 rollouts ``sources`` (-1: GOLF's aggregated prompt)."""
+  the round-1 rollouts ``sources`` (-1: GOLF's aggregated prompt); ``replica``:
+  its first row's replica of its source (:func:`round2_stream`)."""
   p: int
   j0: int
   n: int
   prompt: Any
   sources: list
+  replica: int = 0
 
-  def stream_id(self, base: int, m: int) -> int:
-    """The context's index in the key contract: its rows draw from streams
-    (base + p) * m + j, their [P, m] grid position (whatever else is sampled)."""
-    return ((base + self.p) * m + self.j0) // self.n
+  def stream_id(self, base: int, group: int, m: int) -> int:
+    """The context's index in the sampler's key contract (its row j draws stream
+    ``stream_id * n + j``): its rows draw the streams of :func:`round2_stream`
+    (``group``: n of round 1)."""
+    first = round2_stream(base, self.p, self.sources[0], self.replica, group, m)
+    assert first % self.n == 0, (first, self.n)
+    return first // self.n
+
+
+def fap_prompt(ctx: RolloutContext, example, r1: Rollouts, p: int, s: int):
+  """FBOS's FAP(q, o_s, F_s) of round-1 rollout ``s`` of prompt ``p``."""
+  return ctx.prompts.fap(example["prompt"], r1.texts[p][s], r1.feedback[p][s])
 
 
 def round2_calls(ctx: RolloutContext, example, r1: Rollouts, p: int,
                  mode: Optional[str] = None) -> list:
   """Prompt ``p``'s round-2 contexts, from its round-1 verdicts alone: "single"
   (FBOS) m rows spread round-robin over its FAP(q, o_i, F_i)s, one FAP per
-  selected rollout; "aggregated" (GOLF) one prompt over its failed attempts,
-  sampled m times (``mode``, default ``rl.fap_mode``). None selected: no round 2
-  for it."""
+  selected rollout (one call per row, its replica counted per source);
+  "aggregated" (GOLF) one prompt over its failed attempts, sampled m times
+  (``mode``, default ``rl.fap_mode``). None selected: no round 2 for it."""
   spec, m = ctx.spec, ctx.spec.round2_size
   mode = mode or spec.fap_mode
   sel = assemble.select_fap_sources(r1.rewards[p:p + 1], spec.fap_from, ctx.threshold)
@@ -171,9 +205,20 @@ def round2_calls(ctx: RolloutContext, example, r1: Rollouts, p: int,
     return []
   if mode == "aggregated":
     return [Round2Call(p, 0, m, aggregated_prompt(ctx, example, r1, p), [-1] * m)]
-  built = {int(s): ctx.prompts.fap(example["prompt"], r1.texts[p][s], r1.feedback[p][s])
-           for s in set(sources.tolist())}
-  return [Round2Call(p, j, 1, built[int(s)], [int(s)]) for j, s in enumerate(sources)]
+  built = {int(s): fap_prompt(ctx, example, r1, p, int(s)) for s in set(sources.tolist())}
+  replicas = replica_index(sources)
+  return [Round2Call(p, j, 1, built[int(s)], [int(s)], int(replicas[j]))
+          for j, s in enumerate(sources)]
+
+
+def replica_index(sources: np.ndarray) -> np.ndarray:
+  """[m] each round-2 row's replica of its source: how many earlier rows share it."""
+  out = np.zeros(len(sources), np.int64)
+  seen: dict = {}
+  for j, s in enumerate(np.asarray(sources).tolist()):
+    out[j] = seen.get(s, 0)
+    seen[s] = out[j] + 1
+  return out
 
 
 def round2(ctx: RolloutContext, params, examples: list, r1: Rollouts, key,
@@ -185,7 +230,7 @@ def round2(ctx: RolloutContext, params, examples: list, r1: Rollouts, key,
   n = calls[0].n if calls else 1
   base = distributed.process_index() * len(examples)
   rows = ctx.sample(params, [c.prompt.token_ids for c in calls], n, key, sc,
-                    stream_ids=[c.stream_id(base, m) for c in calls])
+                    stream_ids=[c.stream_id(base, spec.group_size, m) for c in calls])
   valid = np.zeros((len(examples), m), bool)
   source = np.full(valid.shape, -1, np.int64)
   for c in calls:

@@ -14,8 +14,9 @@ step), ``eval`` (held-out pass@k, per step), ``sft`` (the warm start), ``init``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.struct
 import jax
@@ -171,7 +172,8 @@ class ComputeCopy:
 
 
 def param_specs(parts, mesh, rules, *, strict: bool = False):
-  """PartitionSpecs of the params from the logical rules."""
+  """PartitionSpecs of the params of ``parts.model`` (RunParts or a StateLayout) from
+  the logical rules."""
   abstract = qwen.abstract_params(parts.model)
   return sh.tree_specs(qwen.param_logical_axes(parts.model), sh.rules_dict(rules), abstract,
                        mesh, strict=strict)
@@ -186,40 +188,89 @@ def like_params(tree, param_tree, param_specs_tree, default):
   return jax.tree.map(lambda a: by_shape.get(tuple(a.shape), default), tree)
 
 
-def layout(parts) -> dict:
-  """The config fields that shape the TrainState besides the model (a restore
-  from a checkpoint of another layout names the field that differs)."""
-  spec, loss = parts.rollout, parts.update.loss
-  return {"rl.kl_beta > 0": bool(loss.kl_beta > 0),
-          "rl.gfpo_adaptive": bool(spec.gfpo_adaptive),
-          "rl.gfpo_history": int(spec.gfpo_history) if spec.gfpo_adaptive else None,
-          "optim.opt_state_dtype": parts.optim.opt_state_dtype,
-          "optim.grad_clip > 0": bool(parts.optim.grad_clip > 0)}
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+  """Which parts a run's :class:`TrainState` holds, and their shapes: the one home
+  of the state's optional parts. Built from the run's parts (:meth:`of`); read by
+  :func:`abstract_state`, the state builder (:func:`init_state`), the update's
+  program key (``fbos_jax/rl/update.py``) and the checkpoint's layout check
+  (:meth:`record` is what a checkpoint records, :meth:`differences` what a
+  resume compares). Frozen and hashable: runs of one layout share programs.
+
+  model:        the params (and the KL reference's) shapes and dtypes
+  optim:        the optimizer (its state's structure: ``optim.grad_clip > 0`` adds
+                the clip's empty state, ``optim.opt_state_dtype`` the moments' dtype)
+  kl_reference: the state holds ``ref_params``, the frozen KL reference (``rl.kl_beta > 0``)
+  gfpo_history: > 0: the state holds ``gfpo``, the adaptive-k ring buffer of this many
+                prompt difficulties (``rl.gfpo_adaptive``, ``rl.gfpo_history``); 0: none
+  """
+  model: qwen.ModelConfig
+  optim: Any  # fbos_jax.rl.config.OptimConfig
+  kl_reference: bool = False
+  gfpo_history: int = 0
+
+  # fields a checkpoint's layout recorded that the state no longer has, with the value
+  # that meant "none of it": such a checkpoint resumes, any other value is refused by name
+  RETIRED: ClassVar[dict] = {"rl.staleness": 0}  # the simulated stale-params history (issue 31)
+
+  @classmethod
+  def of(cls, parts, optim_cfg=None) -> "StateLayout":
+    """The layout of a run of ``parts`` (a layout is returned as it is);
+    ``optim_cfg`` replaces the run's optimizer (SFT's)."""
+    if isinstance(parts, StateLayout):
+      return parts if optim_cfg is None else dataclasses.replace(parts, optim=optim_cfg)
+    spec = parts.rollout
+    return cls(model=parts.model, optim=optim_cfg or parts.optim,
+               kl_reference=bool(parts.update.loss.kl_beta > 0),
+               gfpo_history=int(spec.gfpo_history) if spec.gfpo_adaptive else 0)
+
+  def record(self) -> dict:
+    """The config fields that shape the state besides the model, as a checkpoint's
+    meta records them (``"layout"``; the format of every checkpoint written so far)."""
+    return {"rl.kl_beta > 0": self.kl_reference,
+            "rl.gfpo_adaptive": self.gfpo_history > 0,
+            "rl.gfpo_history": self.gfpo_history or None,
+            "optim.opt_state_dtype": self.optim.opt_state_dtype,
+            "optim.grad_clip > 0": bool(self.optim.grad_clip > 0)}
+
+  def differences(self, saved: Optional[dict]) -> dict:
+    """{field: (checkpoint's value, this layout's)} for each recorded field of
+    ``saved`` (a checkpoint's ``"layout"``) that differs from :meth:`record`; a
+    retired field at its none value (:attr:`RETIRED`) is no difference. Empty for a
+    checkpoint written before the layout was recorded (``saved`` None or empty)."""
+    if not saved:
+      return {}
+    want = self.record()
+    retired_unused = lambda k: (k not in want and k in self.RETIRED
+                                and saved[k] == self.RETIRED[k])
+    return {k: (saved.get(k), want.get(k)) for k in set(saved) | set(want)
+            if saved.get(k) != want.get(k) and not retired_unused(k)}
 
 
 def abstract_state(parts, mesh, rules, *, strict: bool = False) -> TrainState:
   """ShapeDtypeStructs, with their shardings on ``mesh``, of the TrainState a
-  run of ``parts`` holds: the target of init, restore and compiled plans."""
-  spec = parts.rollout
-  optimizer = optim_lib.make_optimizer(parts.optim)
-  abstract = qwen.abstract_params(parts.model)
-  specs = param_specs(parts, mesh, rules, strict=strict)
+  run of ``parts`` (RunParts, or its :class:`StateLayout`) holds: the target of
+  init, restore and compiled plans."""
+  lay = StateLayout.of(parts)
+  optimizer = optim_lib.make_optimizer(lay.optim)
+  abstract = qwen.abstract_params(lay.model)
+  specs = param_specs(lay, mesh, rules, strict=strict)
   named = lambda s: NamedSharding(mesh, s)
   sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=named(s))
   is_sds = lambda x: isinstance(x, jax.ShapeDtypeStruct)
   params = jax.tree.map(sds, abstract, specs, is_leaf=is_sds)
-  opt = jax.eval_shape(lambda p: optim_lib.init_opt_state(optimizer, p, parts.optim), abstract)
+  opt = jax.eval_shape(lambda p: optim_lib.init_opt_state(optimizer, p, lay.optim), abstract)
   opt = jax.tree.map(sds, opt, like_params(opt, abstract, specs, P()), is_leaf=is_sds)
   rep = named(P())
   scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)
   gfpo = None
-  if spec.gfpo_adaptive:
+  if lay.gfpo_history:
     gfpo = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                        jax.eval_shape(lambda: K.adaptive_k_init(spec.gfpo_history)))
+                        jax.eval_shape(lambda: K.adaptive_k_init(lay.gfpo_history)))
   return TrainState(step=scalar(jnp.int32), params=params, opt_state=opt,
                     rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep),
                     nonfinite_steps=scalar(jnp.int32), gfpo=gfpo,
-                    ref_params=params if parts.update.loss.kl_beta > 0 else None)
+                    ref_params=params if lay.kl_reference else None)
 
 
 def state_shardings(abstract: TrainState):
@@ -232,29 +283,11 @@ def rules_key(rules) -> tuple:
                       for k, v in sh.rules_dict(rules).items()))
 
 
-def layout_parts(parts, optim_cfg=None):
-  """``parts`` reduced to what shapes the TrainState: the model, the optimizer
-  (``optim_cfg`` replaces the run's, e.g. SFT's), the KL reference and the GFPO
-  history. Programs keyed on it are shared by runs
-  that differ elsewhere (seeds, sampling, the rollout)."""
-  import dataclasses
-  from fbos_jax.rl import config as config_lib
-  spec = parts.rollout
-  return config_lib.RunParts(
-      model=parts.model, sampling=None, optim=optim_cfg or parts.optim,
-      rollout=config_lib.RolloutSpec(1, 1, gfpo_adaptive=bool(spec.gfpo_adaptive),
-                                     gfpo_history=int(spec.gfpo_history)
-                                     if spec.gfpo_adaptive else 0),
-      update=config_lib.UpdateConfig(terms=(), loss=config_lib.LossConfig(
-          kl_beta=1.0 if parts.update.loss.kl_beta > 0 else 0.0)))
-
-
 @functools.lru_cache(maxsize=None)
-def _init_fn(layout, mesh, rules: tuple, with_params: bool):
+def _init_fn(layout: StateLayout, mesh, rules: tuple, with_params: bool):
   """The jitted state builder of one layout and mesh (one compile per layout)."""
   out = state_shardings(abstract_state(layout, mesh, dict(rules)))
   optimizer = optim_lib.make_optimizer(layout.optim)
-  spec, kl = layout.rollout, layout.update.loss.kl_beta > 0
 
   def build(p, rng):
     if p is None:
@@ -264,8 +297,8 @@ def _init_fn(layout, mesh, rules: tuple, with_params: bool):
         step=jnp.zeros((), jnp.int32), params=p,
         opt_state=optim_lib.init_opt_state(optimizer, p, layout.optim), rng=rng,
         nonfinite_steps=jnp.zeros((), jnp.int32),
-        gfpo=K.adaptive_k_init(spec.gfpo_history) if spec.gfpo_adaptive else None,
-        ref_params=p if kl else None)
+        gfpo=K.adaptive_k_init(layout.gfpo_history) if layout.gfpo_history else None,
+        ref_params=p if layout.kl_reference else None)
 
   if with_params:
     return jax.jit(build, out_shardings=out)
@@ -277,7 +310,7 @@ def init_state(parts, mesh, rules, params=None, *, optim_cfg=None, rng=None) -> 
   random params from the ``init`` stream of ``rng`` (default
   ``root_rng(parts.seed)``; SFT passes its own stream). ``optim_cfg`` replaces
   the run's optimizer (SFT's). The builder is compiled once per state layout and mesh."""
-  fn = _init_fn(layout_parts(parts, optim_cfg), mesh, rules_key(rules), params is not None)
+  fn = _init_fn(StateLayout.of(parts, optim_cfg), mesh, rules_key(rules), params is not None)
   rng = root_rng(parts.seed) if rng is None else rng
   return fn(params, rng) if params is not None else fn(rng)
 
@@ -328,8 +361,8 @@ def warn_other_data(saved, config, where: str) -> list:
   from fbos_jax import checkpoint as ckpt_lib
   if not saved:
     return []
-  a = ckpt_lib._flatten({k: saved.get(k, {}) for k in _DATA_SECTIONS})
-  b = ckpt_lib._flatten(json.loads(json.dumps(
+  a = ckpt_lib.flatten_fields({k: saved.get(k, {}) for k in _DATA_SECTIONS})
+  b = ckpt_lib.flatten_fields(json.loads(json.dumps(
       {k: config[k].to_dict() for k in _DATA_SECTIONS}, default=str)))
   diffs = [f"{f}: checkpoint={a.get(f, '(absent)')!r} config={b.get(f, '(absent)')!r}"
            for f in sorted(set(a) | set(b))

@@ -1,22 +1,33 @@
-"""Streamed rounds: round 2 decodes beside the tail of round 1 (``rl.stream_rounds``).
+"""A step's rounds on the continuous engine, rollout by rollout: per-rollout
+verification and round 2 streamed beside round 1 (``rl.stream_rounds``).
 
-With the barrier (:func:`fbos_jax.rl.rounds.round1`, ``verify``, ``round2``)
-round 2 starts only once every round-1 row of the step has stopped and been
-verified. Here both rounds run in one continuous-engine run
-(``fbos_jax.engine.run``):
+Both schedules verify each rollout the moment it stops: the engine hands every
+row that stops to :meth:`_Step.on_row`, which submits it alone to the verifier
+pool (``VerifierPool.executor``: at most ``verifier.workers`` calls in flight, a
+hung call holding only its own row, until ``verifier.timeout_s``).
 
-* each round-1 row goes to the verifier pool as soon as its prompt's n rows
-  have stopped (the verdicts of a group decide its round 2: which rollouts get a
-  FAP, GOLF's one prompt over its failed attempts), in a background thread;
-* between decode windows the engine polls the feed: a prompt whose verdicts are
-  in gets its round-2 contexts (:func:`~fbos_jax.rl.rounds.round2_calls`), which
-  join the queue at once and decode beside the rest of round 1;
-* each prompt's m round-2 rows are verified as soon as they have all stopped.
+* :func:`barrier_rounds` (``rl.stream_rounds=False``): round 1 in one engine run
+  (round 1's sampler settings), then every round-1 verdict, then round 2 in a
+  second run (round 2's), then its verdicts: round 2 starts once every round-1
+  row of the step has stopped and been verified.
+* :func:`streamed_rounds` (``True``): both rounds in one engine run (round 2's
+  settings). Between decode windows the engine polls the feed; the verdicts that
+  came in start round-2 rows at once, which decode beside the rest of round 1.
 
-The only barrier is before the update. Every row keeps its key contract (round
-1: stream (p, j) of the round-1 key; round 2: stream (p, j) of the round-2 key,
-its [P, m] grid position), so with the same key the step's rollouts, and so its
-batches, equal the barrier's.
+Round 2 starts rollout by rollout and keeps FBOS's semantics
+(``fbos_jax/rl/assemble.py:round2_plan``: prompt p's m rows round-robin over its
+k selected rollouts, so each gets at least floor(m / n), ``rounds.round2_quota``):
+
+* a selected rollout's guaranteed quota floor(m / n) starts the moment its own
+  verdict lands;
+* the rest of the m rows are allocated when the group's n verdicts are in (the
+  round-robin needs k);
+* GOLF's aggregated prompt needs every failure: it waits for the group.
+
+Every row keeps its key contract (round 1: stream p * n + j of the round-1 key;
+round 2: ``rounds.round2_stream`` (prompt, source, replica) of the round-2 key,
+never its place in the grid), so with the same key the step's rollouts, and so
+its batches, are the same in both schedules and equal ``rounds.round2``'s.
 
 :class:`StepStream` runs several steps through one engine run: the rollout of the
 asynchronous loop (``fbos_jax/rl/sources.py:stream_steps``) admits step k + 1's
@@ -34,98 +45,224 @@ import jax
 import numpy as np
 
 from fbos_jax import distributed
+from fbos_jax.rl import assemble
 from fbos_jax.rl import rounds as R
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl.context import RolloutContext
 
 
-class _Round:
-  """One round's rows as they stop, held in a [P, width] grid that a
-  :class:`~fbos_jax.rl.rounds.Rollouts` views (no copy)."""
+def _grid(p: int, width: int, r: int, seed) -> R.Rollouts:
+  """An empty [p, width] round of ``r`` tokens per row (filled as rows stop)."""
+  return R.Rollouts(
+      contexts=[[[] for _ in range(width)] for _ in range(p)],
+      tokens=np.zeros((p, width, r), np.int32), mask=np.zeros((p, width, r), np.int32),
+      logp=np.zeros((p, width, r), np.float32), versions=np.full((p, width, r), -1, np.int64),
+      lengths=np.zeros((p, width), np.int32),
+      valid=np.zeros((p, width), bool), source=np.full((p, width), -1, np.int64),
+      texts=[[""] * width for _ in range(p)], seed=seed,
+      rewards=np.zeros((p, width), np.float32), is_error=np.zeros((p, width), bool),
+      feedback=[[""] * width for _ in range(p)], truncated=np.zeros((p, width), bool))
 
-  def __init__(self, p: int, width: int, r: int, seed):
-    self.width = width
-    self.done = np.zeros((p,), np.int32)  # rows of each prompt that stopped
-    self.ro = R.Rollouts(
-        contexts=[[[] for _ in range(width)] for _ in range(p)],
-        tokens=np.zeros((p, width, r), np.int32), mask=np.zeros((p, width, r), np.int32),
-        logp=np.zeros((p, width, r), np.float32), versions=np.full((p, width, r), -1, np.int64),
-        lengths=np.zeros((p, width), np.int32),
-        valid=np.zeros((p, width), bool), source=np.full((p, width), -1, np.int64),
-        texts=[[""] * width for _ in range(p)], seed=seed,
-        rewards=np.zeros((p, width), np.float32), is_error=np.zeros((p, width), bool),
-        feedback=[[""] * width for _ in range(p)], truncated=np.zeros((p, width), bool))
 
-  def add(self, p: int, j: int, row, text: str):
-    ro, m = self.ro, row.tokens.size
-    ro.tokens[p, j, :m], ro.logp[p, j, :m], ro.lengths[p, j] = row.tokens, row.logprobs, m
-    if row.versions is not None:
-      ro.versions[p, j, :m] = row.versions
-    ro.mask[p, j, :m] = 1
-    ro.texts[p][j] = text
-    self.done[p] += 1
+def _put_row(ro: R.Rollouts, p: int, j: int, row, text: str):
+  m = row.tokens.size
+  ro.tokens[p, j, :m], ro.logp[p, j, :m], ro.lengths[p, j] = row.tokens, row.logprobs, m
+  if row.versions is not None:
+    ro.versions[p, j, :m] = row.versions
+  ro.mask[p, j, :m] = 1
+  ro.texts[p][j] = text
 
-  def complete(self, p: int) -> bool:
-    return self.done[p] == int(self.ro.valid[p].sum())
 
-  def verdicts(self, p: int, rewards, feedback, errors):
-    """Prompt p's verdicts (its valid rows, in order), as ``verify`` fills them."""
-    ro = self.ro
-    for k, j in enumerate(np.flatnonzero(ro.valid[p])):
-      ro.rewards[p, j] = 0.0 if errors[k] else rewards[k]
-      ro.is_error[p, j] = errors[k]
-      ro.feedback[p][j] = "" if errors[k] else feedback[k]
+def _put_verdict(ro: R.Rollouts, p: int, j: int, verdict: tuple):
+  reward, feedback, error = verdict
+  ro.rewards[p, j] = 0.0 if error else reward
+  ro.is_error[p, j] = error
+  ro.feedback[p][j] = "" if error else feedback
+
+
+class _Verifier:
+  """Rows to the verifier pool one at a time, as they stop (``ctx.verify`` of
+  one row on the pool's executor); ``ready()`` the jobs whose verdict is in."""
+
+  def __init__(self, ctx: RolloutContext):
+    self.ctx = ctx
+    workers = getattr(ctx.pool, "num_workers", 1)
+    self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
+                                                      thread_name_prefix="verify")
+    self.jobs: list = []  # (step, key, future of ctx.verify)
+
+  def submit(self, step, key, example, text: str):
+    self.jobs.append((step, key, self.pool.submit(self.ctx.verify, [example], [text])))
+
+  def ready(self, wait: bool = False) -> list:
+    """The jobs whose verdict is in (``wait``: at least one, if any is pending)."""
+    if wait and self.jobs:
+      concurrent.futures.wait([j[2] for j in self.jobs],
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+    out = [jb for jb in self.jobs if jb[2].done()]
+    self.jobs = [jb for jb in self.jobs if not jb[2].done()]
+    return out
+
+  def close(self):
+    self.pool.shutdown(wait=True)
 
 
 class _Step:
-  """One step batch in flight: its prompts' rounds as their rows stop, and which
-  prompts' verdicts are in."""
+  """One step batch in flight: its round-1 rows as they stop and their verdicts,
+  its round-2 rows (keyed by prompt, source rollout and replica until the
+  group's plan gives them their places in the [P, m] grid)."""
 
   def __init__(self, ctx: RolloutContext, k: int, examples: list, key, data_state=None):
     from fbos_jax import engine as engine_lib
     spec, sp = ctx.spec, ctx.parts.sampling
-    self.k, self.examples, self.data_state, self.t0 = k, examples, data_state, time.perf_counter()
+    self.ctx, self.k, self.examples, self.data_state = ctx, k, examples, data_state
+    self.t0 = time.perf_counter()
     k1, k2 = jax.random.split(key)
-    p_count, n, r = len(examples), spec.group_size, sp.round1.max_new_tokens
+    p_count, n, m = len(examples), spec.group_size, spec.round2_size
+    self.n, self.m = n, m
     self.base = distributed.process_index() * p_count
     self.raw2 = np.asarray(jax.random.key_data(k2), np.uint32)
     raw1 = np.asarray(jax.random.key_data(k1), np.uint32)
-    self.rounds = {1: _Round(p_count, n, r, R.host_seed(k1)),
-                   2: _Round(p_count, spec.round2_size, r, R.host_seed(k2))}
+    self.r1 = _grid(p_count, n, sp.round1.max_new_tokens, R.host_seed(k1))
+    self.r2 = _grid(p_count, m, sp.round2.max_new_tokens, R.host_seed(k2))
+    self.seed2 = R.host_seed(k2)
     q = [ctx.prompt_ids(ex) for ex in examples]
-    self.rounds[1].ro.valid[:] = True
+    self.r1.valid[:] = True
     for p in range(p_count):
-      self.rounds[1].ro.contexts[p] = [q[p]] * n
+      self.r1.contexts[p] = [q[p]] * n
+    self.judged = np.zeros((p_count, n), bool)  # round-1 verdicts in
+    self.round2 = bool(spec.round2)
+    self.mode = spec.fap_mode
+    self.faps: dict = {}  # (p, source) -> templates.Prompt (source -1: aggregated)
+    self.issued: dict = {}  # (p, source) -> round-2 rows requested so far
+    self.rows2: dict = {}  # (p, source, replica) -> (FinishedRow, text)
+    self.verdicts2: dict = {}  # (p, source, replica) -> (reward, feedback, error)
+    self.plans: dict = {}  # p -> [(source, replica)] of its m grid places (none: [])
+    self.early = 0  # round-2 rows requested before their group's verdicts were all in
+    self.streamed = True  # round 2 joins round 1's engine run (barrier_rounds: False)
     self.stats: dict = {1: [], 2: []}
     self.windows: dict = {1: [], 2: []}  # (first, last) decode window of each row
-    self.verified: dict = {1: set(), 2: set()}
-    self.round2 = bool(spec.round2)
     self.requests = [engine_lib.Request(prompt=q[p], n=n, key=raw1, sid_base=(self.base + p) * n,
-                                        tag=(k, 1, p, 0)) for p in range(p_count)]
+                                        tag=(k, 1, p, 0, 0),
+                                        max_new_tokens=sp.round1.max_new_tokens)
+                     for p in range(p_count)]
+
+  # ------------------------------------------------------------------ rows and verdicts
+
+  def on_row(self, row, verifier: _Verifier):
+    """A row stopped: into its round, and to the verifier pool at once."""
+    _, rnd, p, source, r0 = row.tag
+    self.windows[rnd].append((row.first_window, row.last_window))
+    text = self.ctx.decode(row.tokens[None], [row.tokens.size])[0]
+    if rnd == 1:
+      _put_row(self.r1, p, row.j, row, text)
+      verifier.submit(self, (1, p, row.j), self.examples[p], text)
+    else:
+      self.rows2[(p, source, r0 + row.j)] = (row, text)
+      verifier.submit(self, (2, p, source, r0 + row.j), self.examples[p], text)
+
+  def on_verdict(self, key: tuple, result: tuple) -> list:
+    """A row's verdict (``ctx.verify``'s result) is in: the round-2 requests it
+    starts (its rollout's quota; the group's remainder once the group is in)."""
+    rewards, feedback, errors, st = result
+    verdict = (float(rewards[0]), feedback[0], bool(errors[0]))
+    if key[0] == 2:
+      self.stats[2].append(st)
+      self.verdicts2[key[1:]] = verdict
+      return []
+    self.stats[1].append(st)
+    _, p, j = key
+    _put_verdict(self.r1, p, j, verdict)
+    self.judged[p, j] = True
+    if not self.round2:
+      return []
+    out = []
+    quota = R.round2_quota(self.n, self.m)
+    if self.mode == "single" and quota and self._selected(p)[j]:
+      out += self._request(p, j, quota)
+      self.early += quota * (not self.judged[p].all())
+    if self.judged[p].all():
+      out += self._plan(p)
+    return out
+
+  def _selected(self, p: int) -> np.ndarray:
+    """[n] prompt p's rollouts that get a FAP, of those with a verdict
+    (``rl.fap_from``; an error verdict never does)."""
+    sel = assemble.select_fap_sources(self.r1.rewards[p:p + 1], self.ctx.spec.fap_from,
+                                      self.ctx.threshold)[0]
+    return sel & self.r1.ok[p] & self.judged[p]
+
+  def _request(self, p: int, source: int, count: int) -> list:
+    """Requests for the next ``count`` replicas of (p, source)'s round-2 prompt."""
+    from fbos_jax import engine as engine_lib
+    if count <= 0:
+      return []
+    if (p, source) not in self.faps:
+      self.faps[(p, source)] = (
+          R.aggregated_prompt(self.ctx, self.examples[p], self.r1, p) if source < 0 else
+          R.fap_prompt(self.ctx, self.examples[p], self.r1, p, source))
+    r0 = self.issued.get((p, source), 0)
+    self.issued[(p, source)] = r0 + count
+    # a FAP's replicas one request each (one sample per request, as rounds.round2's
+    # calls: the compile set's shapes); GOLF's prompt its m samples in one
+    per = count if source < 0 else 1
+    return [engine_lib.Request(prompt=self.faps[(p, source)].token_ids, n=per, key=self.raw2,
+                               sid_base=R.round2_stream(self.base, p, source, r, self.n, self.m),
+                               tag=(self.k, 2, p, source, r))
+            for r in range(r0, r0 + count, per)]
+
+  def _plan(self, p: int) -> list:
+    """Prompt p's verdicts are all in: its round-2 plan (``assemble.round2_plan``)
+    and the requests of the rows not yet asked for."""
+    sel = self._selected(p)
+    _, sources = assemble.round2_plan(sel[None], self.m, self.mode)
+    replicas = R.replica_index(sources)
+    self.plans[p] = [(int(s), int(r)) for s, r in zip(sources, replicas)]
+    out = []
+    for s in sorted(set(sources.tolist())):
+      out += self._request(p, s, int((sources == s).sum()) - self.issued.get((p, s), 0))
+    return out
+
+  # ------------------------------------------------------------------ the result
 
   def done(self) -> bool:
-    p = len(self.examples)
-    return len(self.verified[1]) == p and (not self.round2 or len(self.verified[2]) == p)
+    if not self.judged.all():
+      return False
+    return not self.round2 or (len(self.plans) == len(self.examples) and all(
+        (p,) + place in self.verdicts2 for p, plan in self.plans.items() for place in plan))
 
   def result(self) -> tuple:
     """(r1, r2 or None, round-1 pool stats, round-2 pool stats or None), as the
-    barrier's ``round1`` / ``verify`` / ``round2`` / ``verify`` would give."""
+    static barrier's ``round1`` / ``verify`` / ``round2`` / ``verify`` would give."""
     if not self.round2:
-      return self.rounds[1].ro, None, _merge(self.stats[1]), None
-    r1_end = max((w[1] for w in self.windows[1]), default=-1)
-    overlap = sum(w[0] <= r1_end for w in self.windows[2])  # round-2 rows beside round 1
-    self.stats[2].append({"rollout/round2_rows_beside_round1": float(overlap)})
-    return self.rounds[1].ro, self.rounds[2].ro, _merge(self.stats[1]), _merge(self.stats[2])
+      return self.r1, None, _merge(self.stats[1]), None
+    r2 = self.r2
+    for p, plan in self.plans.items():
+      for j, (s, r) in enumerate(plan):
+        row, text = self.rows2[(p, s, r)]
+        _put_row(r2, p, j, row, text)
+        _put_verdict(r2, p, j, self.verdicts2[(p, s, r)])
+        fap = self.faps[(p, s)]
+        r2.valid[p, j], r2.source[p, j] = True, s
+        r2.contexts[p][j], r2.truncated[p, j] = fap.token_ids, fap.truncated
+    st2 = _merge(self.stats[2])
+    if self.streamed:
+      r1_end = max((w[1] for w in self.windows[1]), default=-1)
+      overlap = sum(w[0] <= r1_end for w in self.windows[2])  # round-2 rows beside round 1
+      st2["rollout/round2_rows_beside_round1"] = float(overlap)
+      st2["rollout/round2_rows_before_group"] = float(self.early)
+    return self.r1, r2, _merge(self.stats[1]), st2
 
 
 class StepStream:
   """The engine's feed over step batches ``start .. stop - 1`` (AReaL's streaming
   rollout): step k's round-1 requests join the queue once ``admit(k, in_flight)``
   allows (``begin(k)`` -> its :class:`_Step`), so the prompts of the next steps
-  fill the slots the last ones free; each prompt's rows go to the verifier pool
-  as soon as its group has stopped, its round 2 joins the queue once its round-1
-  verdicts are in; ``on_step(step)`` gets each step, in order, when all its rows
-  are verified. ``stopping()`` true: the run stops at the next poll."""
+  fill the slots the last ones free; each row goes to the verifier pool as soon
+  as it stops, and the round-2 rows its verdict starts join the queue at the
+  next poll; ``on_step(step)`` gets each step, in order, when all its rows are
+  verified. ``stopping()`` true: the run stops at the next poll. ``in_flight``:
+  rows handed to the engine that have not stopped."""
 
   def __init__(self, ctx: RolloutContext, start: int, stop: int, *, begin, admit=None,
                on_step=None, stopping=None):
@@ -134,14 +271,14 @@ class StepStream:
     self.stopping = stopping
     self.steps: dict = {}  # k -> _Step, in flight
     self.pending: list = []
-    self.jobs: list = []  # (step, round, prompt, future of ctx.verify)
-    self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
-                                                      thread_name_prefix="verify")
+    self.in_flight = 0
+    self.verifier = _Verifier(ctx)
 
   def poll(self) -> list:
     if self.stopping is not None and self.stopping():
       raise StreamStopped()
-    self._take_verdicts()
+    for step, key, fut in self.verifier.ready():
+      self.pending += step.on_verdict(key, fut.result())
     while self.next_k < self.stop and (self.admit is None or
                                        self.admit(self.next_k, len(self.steps))):
       step = self.begin(self.next_k)
@@ -154,81 +291,78 @@ class StepStream:
       if self.on_step is not None:
         self.on_step(step)
     out, self.pending = self.pending, []
+    self.in_flight += sum(int(r.n) for r in out)
     return out
 
   def finished(self) -> bool:
     return self.next_k >= self.stop and not self.steps and not self.pending
 
   def on_row(self, row):
-    k, rnd, p, j0 = row.tag
-    step = self.steps[k]
-    grid = step.rounds[rnd]
-    step.windows[rnd].append((row.first_window, row.last_window))
-    grid.add(p, j0 + row.j, row, self.ctx.decode(row.tokens[None], [row.tokens.size])[0])
-    if grid.complete(p):
-      texts = [grid.ro.texts[p][j] for j in np.flatnonzero(grid.ro.valid[p])]
-      self.jobs.append((step, rnd, p, self.pool.submit(
-          self.ctx.verify, [step.examples[p]] * len(texts), texts)))
-
-  def _take_verdicts(self):
-    for job in [jb for jb in self.jobs if jb[3].done()]:
-      self.jobs.remove(job)
-      step, rnd, p, fut = job
-      rewards, feedback, errors, st = fut.result()
-      step.stats[rnd].append(st)
-      step.rounds[rnd].verdicts(p, rewards, feedback, errors)
-      step.verified[rnd].add(p)
-      if rnd == 1 and step.round2:  # its round 2 joins the queue now
-        reqs = _round2_requests(self.ctx, step.examples[p], step.rounds[1].ro, p,
-                                step.rounds[2].ro, step.raw2, step.base, step.k)
-        self.pending += reqs
-        if not reqs:  # no round 2 for this prompt
-          step.verified[2].add(p)
+    self.in_flight -= 1
+    self.steps[row.tag[0]].on_row(row, self.verifier)
 
   def run(self, params):
     """Decode until every step is done (``params``: a param pytree or a
-    ParamsSource); the verifier pool is shut down at the end."""
+    ParamsSource); the verifier threads are shut down at the end."""
     from fbos_jax import engine as engine_lib
-    if not engine_lib.is_params_source(params):
-      state_lib.check_compute_params(params, self.ctx.model_cfg, "the streamed rounds' engine")
+    _check_params(self.ctx, params)
     sp = self.ctx.parts.sampling
     try:
       engine_lib.run(params, self.ctx.model_cfg, self, self.on_row, config=sp.round2,
                      engine_config=sp.engine_config, mesh=self.ctx.mesh, rules=self.ctx.rules,
                      stats=self.ctx.engine_stats)
     finally:
-      self.pool.shutdown(wait=True)
+      self.verifier.close()
 
 
 class StreamStopped(Exception):
   """The stream's owner stopped it (``StepStream.stopping``)."""
 
 
+def _check_params(ctx: RolloutContext, params):
+  from fbos_jax import engine as engine_lib
+  if not engine_lib.is_params_source(params):
+    state_lib.check_compute_params(params, ctx.model_cfg, "the continuous engine's rounds")
+
+
 def streamed_rounds(ctx: RolloutContext, params, examples: list, key):
   """Round 1, its verdicts and round 2 of one step in one engine run, round 2
-  streamed in. Returns (r1, r2, round-1 pool stats, round-2 pool stats), as the
-  barrier's ``round1`` / ``verify`` / ``round2`` / ``verify`` would."""
+  started rollout by rollout. Returns (r1, r2, round-1 pool stats, round-2 pool
+  stats), as the barrier's ``round1`` / ``verify`` / ``round2`` / ``verify`` would."""
   out = []
   StepStream(ctx, 0, 1, begin=lambda k: _Step(ctx, k, examples, key),
              on_step=lambda step: out.append(step.result())).run(params)
   return out[0]
 
 
-def _round2_requests(ctx, example, r1: R.Rollouts, p: int, r2: R.Rollouts, raw2,
-                     base: int, k: int) -> list:
-  """Prompt p's round-2 engine requests; their rows' places in the round-2 grid."""
+def barrier_rounds(ctx: RolloutContext, params, examples: list, key):
+  """The barrier schedule on the engine, each rollout verified as it stops:
+  round 1 (round 1's sampler settings), every round-1 verdict, then round 2
+  (round 2's), its verdicts. Returns what :func:`streamed_rounds` does (round 2
+  None without ``rl.round2``). With several processes every process runs both
+  engine runs (they are collective), with or without rows of its own."""
   from fbos_jax import engine as engine_lib
-  m = ctx.spec.round2_size
-  out = []
-  for c in R.round2_calls(ctx, example, r1, p):
-    for j in range(c.j0, c.j0 + c.n):
-      r2.valid[p, j] = True
-      r2.source[p, j] = c.sources[j - c.j0]
-      r2.contexts[p][j] = c.prompt.token_ids
-      r2.truncated[p, j] = c.prompt.truncated
-    out.append(engine_lib.Request(prompt=c.prompt.token_ids, n=c.n, key=raw2,
-                                  sid_base=c.stream_id(base, m) * c.n, tag=(k, 2, p, c.j0)))
-  return out
+  _check_params(ctx, params)
+  sp = ctx.parts.sampling
+  step = _Step(ctx, 0, examples, key)
+  step.streamed = False
+  verifier = _Verifier(ctx)
+  configs = [sp.round1] + ([sp.round2] if step.round2 else [])
+  try:
+    requests = step.requests
+    for config in configs:
+      engine_lib.run(params, ctx.model_cfg, engine_lib.ListFeed(requests),
+                     lambda row: step.on_row(row, verifier), config=config,
+                     engine_config=sp.engine_config, mesh=ctx.mesh, rules=ctx.rules,
+                     stats=ctx.engine_stats)
+      requests = []
+      while verifier.jobs:  # the barrier: every verdict of the round
+        for _, vkey, fut in verifier.ready(wait=True):
+          requests += step.on_verdict(vkey, fut.result())
+    assert not requests and step.done(), "the barrier left rows unsampled"
+  finally:
+    verifier.close()
+  return step.result()
 
 
 def _merge(stats: list) -> dict:

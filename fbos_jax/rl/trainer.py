@@ -74,6 +74,7 @@ class RLTrainer:
     self.ctx = ctx if ctx is not None else RolloutContext.build(config, workdir, mesh=self.mesh)
     self.ctx.mesh, self.ctx.rules = self.mesh, self.rules
     self.parts = self.ctx.parts
+    self.layout = state_lib.StateLayout.of(self.parts)  # what the TrainState holds
     pi, pc = distributed.process_index(), distributed.process_count()
     self.train_iter = None if self.sides else sources.train_iterator(config, self.ctx)
     self.eval_examples = data_lib.held_out_examples(
@@ -135,7 +136,7 @@ class RLTrainer:
 
   def save(self, state, force: bool = False, rl_seconds: float = 0.0):
     meta = {"model": self.config.model.to_dict(), "algo": self.config.algo,
-            "config": self.config.to_dict(), "layout": state_lib.layout(self.parts),
+            "config": self.config.to_dict(), "layout": self.layout.record(),
             "rl_seconds": float(rl_seconds), "total_seconds": self.total_seconds()}
     # the data iterator after the prompts of the last step trained (a worker may be ahead)
     data_state = distributed.per_process_state(self.source.data_state())
@@ -146,9 +147,8 @@ class RLTrainer:
     if self.ckpt.latest_step() is None:
       return state, False
     restored, data_state, meta = self.ckpt.restore(
-        None, state_lib.abstract_state(self.parts, self.mesh, self.rules),
-        {"model": self.config.model.to_dict(),
-                                      "layout": state_lib.layout(self.parts)})
+        None, state_lib.abstract_state(self.layout, self.mesh, self.rules),
+        {"model": self.config.model.to_dict(), "layout": self.layout})
     ckpt_lib.check_resume_config(meta.get("config"), self.config.to_dict(),
                                  allow=self.allow_config_change)
     self.source.restore_data(distributed.select_process_state(data_state))

@@ -224,7 +224,8 @@ def make_update_fn(cfg: qwen.ModelConfig, optimizer: optax.GradientTransformatio
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(model_cfg, ucfg: UpdateConfig, layout, mesh, rules_key: tuple):
+def _compiled(model_cfg, ucfg: UpdateConfig, layout: state_lib.StateLayout, mesh,
+              rules_key: tuple):
   shardings = state_lib.state_shardings(state_lib.abstract_state(layout, mesh, dict(rules_key)))
   fn = make_update_fn(model_cfg, optim_lib.make_optimizer(layout.optim), ucfg)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -248,7 +249,7 @@ def compiled_update(parts, mesh, rules, ucfg: UpdateConfig = None, optim_cfg=Non
   compiles it once per batch-shape bucket). ``ucfg`` / ``optim_cfg`` replace the
   run's (SFT's own terms and optimizer). Shared: the same configs, state layout
   and mesh give the same program object in this process."""
-  return _compiled(parts.model, ucfg or parts.update, state_lib.layout_parts(parts, optim_cfg),
+  return _compiled(parts.model, ucfg or parts.update, state_lib.StateLayout.of(parts, optim_cfg),
                    mesh, state_lib.rules_key(rules))
 
 

@@ -41,3 +41,16 @@ def every_other_error(example, response):
   if len(response) % 2:
     raise RuntimeError("flaky")
   return ProceduralVerifier()(example, response)
+
+
+class LatencyVerifier:
+  """``inner``'s verdicts, each after ``latency_s`` of latency (a sleep, no CPU: a
+  remote sandbox or judge service); the slow-verifier workload of
+  ``launch/bench_rollout.py``."""
+
+  def __init__(self, inner, latency_s: float = 0.02):
+    self.inner, self.latency_s = inner, float(latency_s)
+
+  def __call__(self, example, response):
+    time.sleep(self.latency_s)
+    return self.inner(example, response)

@@ -518,6 +518,10 @@ class VerifierPool:
     self._logged_kinds: set[str] = set()
     self._abandoned: list[threading.Thread] = []
     self._workers: list[_ProcessWorker] = []
+    self._free: list[_ProcessWorker] = []  # started workers no call is using
+    # concurrent ``run`` calls (``submit``: one row each, as rollouts stop) share the
+    # bookkeeping below and the process workers (a call checks out its own)
+    self._lock = threading.Condition()  # notified when a process worker is freed
     self._ctx = None
     # Running totals since construction (for checkpoint-independent metrics).
     self.totals: dict[str, int] = {"calls": 0, "errors": 0}
@@ -584,11 +588,12 @@ class VerifierPool:
               ERROR_PREFIX, verdict.error, examples[i].get("id", i), kind)
       verdicts.append(verdict)
     errors = sum(counts.values())
-    self.totals["calls"] += n
-    self.totals["errors"] += errors
-    for k, v in counts.items():
-      self.totals[k] = self.totals.get(k, 0) + v
-    self._abandoned = [t for t in self._abandoned if t.is_alive()]
+    with self._lock:
+      self.totals["calls"] += n
+      self.totals["errors"] += errors
+      for k, v in counts.items():
+        self.totals[k] = self.totals.get(k, 0) + v
+      self._abandoned = [t for t in self._abandoned if t.is_alive()]
     stats = {
         "verifier/calls": float(n),
         "verifier/errors": float(errors),
@@ -629,12 +634,15 @@ class VerifierPool:
   def close(self) -> None:
     """Stops process workers (threads abandoned on timeout cannot be)."""
     for w in self._workers:
+      if w is None:  # still starting (another thread's call)
+        continue
       try:
         w.conn.send(None)
       except Exception:  # pylint: disable=broad-except
         pass
       w.kill()
     self._workers = []
+    self._free = []
 
   def __enter__(self):
     return self
@@ -686,7 +694,8 @@ class VerifierPool:
       for i, (start, th) in list(running.items()):
         if now - start >= self.timeout_s:
           del running[i]
-          self._abandoned.append(th)
+          with self._lock:
+            self._abandoned.append(th)
           out[i] = ("timeout", self._timeout_detail(), now - start)
     return out
 
@@ -702,22 +711,58 @@ class VerifierPool:
             f"verifier worker process failed to start within "
             f"{self.startup_timeout_s:g} s (exit code {w.proc.exitcode})")
         w.kill()
-    self._workers.extend(ready)
+    with self._lock:
+      self._workers.extend(ready)
     return ready
+
+  def _checkout(self, want: int) -> list[_ProcessWorker]:
+    """Up to ``want`` workers for one call, no other call using them: idle ones,
+    then new ones while the pool has fewer than ``num_workers``."""
+    with self._lock:
+      while True:  # all num_workers busy in other calls: wait for one
+        got = [self._free.pop() for _ in range(min(want, len(self._free)))]
+        start = max(0, min(want - len(got), self.num_workers - len(self._workers)))
+        if got or start:
+          break
+        self._lock.wait()
+      self._workers.extend([None] * start)  # places held while they start
+    try:
+      return got + self._new_workers(start) if start else got
+    finally:
+      with self._lock:
+        for _ in range(start):
+          self._workers.remove(None)
+        self._lock.notify_all()
+
+  def _retire(self, worker: _ProcessWorker) -> None:
+    with self._lock:
+      self._workers.remove(worker)
+      self._lock.notify_all()
 
   def _run_processes(self, examples, responses):
     """Returns a list of (status, payload, latency_s) in input order."""
     out: list[Any] = [None] * len(examples)
-    want = min(self.num_workers, len(examples))
-    if len(self._workers) < want:  # start-up is not part of any call's time
-      self._new_workers(want - len(self._workers))
-    idle = list(self._workers)
+    # start-up is not part of any call's time
+    idle = self._checkout(min(self.num_workers, len(examples)))
     busy: dict[Any, tuple[_ProcessWorker, int, float]] = {}  # conn -> ...
+    try:
+      self._run_on(idle, busy, out, examples, responses)
+    finally:  # back for the next call (a worker of an interrupted call is killed)
+      for worker, _, _ in busy.values():
+        worker.kill()
+        self._retire(worker)
+      with self._lock:
+        self._free.extend(idle)
+        self._lock.notify_all()
+    return out
+
+  def _run_on(self, idle, busy, out, examples, responses) -> None:
+    """The calls of ``_run_processes`` on its workers ``idle``."""
     next_i = 0
     while next_i < len(examples) or busy:
       while next_i < len(examples) and len(busy) < self.num_workers:
         if not idle:
-          idle = self._new_workers(1)
+          idle.extend(self._new_workers(1))
           if not idle:
             out[next_i] = ("crash", self._startup_failure, 0.0)
             next_i += 1
@@ -749,12 +794,11 @@ class VerifierPool:
           out[i] = ("crash", f"worker process exited with code "
                     f"{worker.proc.exitcode}", time.monotonic() - start)
           worker.kill()
-          self._workers.remove(worker)
+          self._retire(worker)
       now = time.monotonic()
       for conn, (worker, i, start) in list(busy.items()):
         if now - start >= self.timeout_s:
           del busy[conn]
           worker.kill()  # a hung call ends here, for real
-          self._workers.remove(worker)
+          self._retire(worker)
           out[i] = ("timeout", self._timeout_detail(), now - start)
-    return out
