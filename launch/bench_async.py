@@ -19,7 +19,13 @@ Prints, and says for each number whether it is measured or modelled:
    streams across batches (``--stream_util``, an assumption, not measured);
 3. **measured** on this machine (``--sync_metrics``, ``--async_metrics``): the
    median step time of each run, the phase times, the busy fractions of both
-   sides, and the asynchronous step the measured phase times give.
+   sides, and the asynchronous step the measured phase times give;
+4. **modelled**, the faithful split model (issue 31,
+   ``async_split.split_model``): every split of whole hosts and every rollout
+   mesh, the rollout continuous (never drains) and drained, each decode step at
+   an ASSUMED fixed cost (``--decode_step_fixed_s``) + its bytes, FLOPs and FSDP
+   weight gathers, the update padded and packed, the weight sync; the mesh
+   chosen for decode and the best split. The last line is JSON.
 """
 
 import json
@@ -37,6 +43,9 @@ flags.DEFINE_multi_string("async_metrics", [], "metrics.jsonl of asynchronous ru
 flags.DEFINE_float("stream_util", 0.0, "Assumed sampler utilization of a rollout that streams "
                    "across batches (0 = the measured one, as the worker samples batch by batch).")
 flags.DEFINE_bool("plan", False, "Compile the split plan of --config on --topology instead.")
+flags.DEFINE_float("decode_step_fixed_s", -1.0, "The fixed cost of a decode step in the split "
+                   "model (-1 = the ASSUMED hardware.ASSUMED_DECODE_STEP_FIXED_S; set it from a "
+                   "TPU measurement).")
 FLAGS = flags.FLAGS
 
 
@@ -104,6 +113,30 @@ def _modelled(config, stream_util: float, util: float):
   return m
 
 
+def _split_model(config):
+  """4. The faithful split model (issue 31): every split and rollout mesh."""
+  from fbos_jax.planning import async_split
+  from fbos_jax.planning import hardware as hw
+  fixed = hw.ASSUMED_DECODE_STEP_FIXED_S if FLAGS.decode_step_fixed_s < 0 else FLAGS.decode_step_fixed_s
+  split = async_split.split_model(config, FLAGS.topology, fixed_s=fixed)
+  a = split["assumptions"]
+  _say(f"4. MODELLED, every split of {FLAGS.topology} (fbos_jax/planning/async_split.py:split_model; "
+       f"analytic, nothing compiled). ASSUMED: decode step fixed cost "
+       f"{1e3 * a['ASSUMED_DECODE_STEP_FIXED_S']:.1f} ms (ASSUMED_DECODE_STEP_FIXED_S, to be "
+       f"measured on a TPU); FSDP weights gathered every decode step over ICI at "
+       f"{a['ici_bytes_per_s_one_direction'] / 1e9:.0f} GB/s; engine workspace "
+       f"{a['ASSUMED_ENGINE_WORKSPACE_BYTES'] / 2 ** 30:.0f} GiB beside the page pool and two "
+       f"params copies; weight sync over the hosts' network at "
+       f"{a['DCN_BYTES_PER_S_PER_HOST'] * 8 / 1e9:.0f} Gb/s per host; response lengths "
+       f"{a['response_lengths']}. N/T: rollout/trainer chips; W: weight bytes a chip moves "
+       f"per decode step (HBM reads + gathers), wt: their time; roll drain: each call ends "
+       f"with its longest row; roll cont: never drains; x: sync step / async step; * the "
+       f"mesh chosen for decode:")
+  for line in async_split.format_split_model(split).splitlines():
+    _say("   " + line)
+  return split
+
+
 def _measured_section():
   if not FLAGS.sync_metrics and not FLAGS.async_metrics:
     return
@@ -152,14 +185,37 @@ def main(argv):
   util = _measured(FLAGS.sync_metrics)["rollout/slot_util"] if FLAGS.sync_metrics else 0.0
   m = _modelled(config, FLAGS.stream_util, util)
   _measured_section()
-  if m["speedup"] < 1.8:
-    _say("what limits it: in the roofline both phases scale about linearly with chips (8K-token "
-         "decode reads a KV cache larger than the weights, so it is bandwidth-bound per chip; "
-         "the update is compute-bound), so giving each phase part of the chips makes each "
-         "slower by as much as overlapping saves: max(R / f, U / (1 - f)) >= R + U for every "
-         "split f. The asynchronous step wins only by what the synchronous one wastes: "
-         "samplers idle behind their longest rows (line 2), the trainer idle while sampling "
-         "and verifying, and the rollout idle while training.")
+  split = _split_model(config)
+  b = split["best"]
+  u = split["update"]
+  if b is None or b[f"speedup_{u}_vs_decode_mesh_sync"] <= 1.0:
+    _say("what limits it: no split beats the synchronous step on the decode mesh (4.): both "
+         "phases scale about linearly with chips (8K-token decode reads a KV cache larger than "
+         "the weights, bandwidth-bound per chip; the update is compute-bound), so giving each "
+         "phase part of the chips makes each slower by as much as overlapping saves: "
+         "max(R / f, U / (1 - f)) >= R + U for every split f, unless the split removes waste "
+         "(the drained tail, weight gathers).")
+  else:
+    sy = split["sync"]["decode_mesh"]
+    _say(f"what limits it: the best split is {b['bound']}-bound (rollout never drained "
+         f"{b['rollout_continuous_s']:.1f} s vs {u} update {b[f'train_{u}_s']:.1f} s + sync "
+         f"{b['sync_s']:.2f} s); against the synchronous step on the same decode layout "
+         f"({sy[f'step_{u}_s']:.1f} s) it gains {b[f'speedup_{u}_vs_decode_mesh_sync']:.2f}x, "
+         f"from overlapping the phases and not draining the rollout's tail; the rest of the "
+         f"{b[f'speedup_{u}']:.2f}x over today's synchronous step is the decode layout "
+         f"(no FSDP weight gathers per decode step).")
+  _say(json.dumps({
+      "modelled_speedup": m["speedup"], "rollout_devices": m["rollout_devices"],
+      "split_model": {
+          "assumptions": split["assumptions"], "update": split["update"],
+          "sync_step_s": {k: {u: s[f"step_{u}_s"] for u in ("padded", "packed")}
+                          for k, s in split["sync"].items()},
+          "best": None if b is None else {k: b[k] for k in (
+              "rollout_devices", "rollout_mesh", "slots", "rollout_continuous_s",
+              "rollout_drained_s", "train_padded_s", "train_packed_s", "sync_s",
+              "async_padded_s", "async_packed_s", "speedup_padded", "speedup_packed",
+              "speedup_padded_vs_decode_mesh_sync", "speedup_packed_vs_decode_mesh_sync",
+              "bound")}}}))
 
 
 if __name__ == "__main__":

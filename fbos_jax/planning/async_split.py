@@ -15,6 +15,12 @@
   decode at HBM bandwidth; lower bounds), synchronous on all devices against
   asynchronous on the split, at steady state with eta >= 1:
   ``sync = rollout(all) + train(all)``, ``async = max(rollout(N), train(rest) + sync)``.
+* :func:`split_model`: the faithful model (issue 31): every split of whole hosts
+  and every rollout mesh; the rollout drained and never drained (continuous
+  generation) through the slots that fit; each decode step at an ASSUMED fixed
+  cost (``hardware.ASSUMED_DECODE_STEP_FIXED_S``) + its HBM reads, FLOPs and FSDP
+  weight gathers; the update padded and packed; the rollout mesh chosen for decode
+  (fewest weight bytes moved per chip per step) and the best split.
 
 The interconnect figures (:data:`ICI_BYTES_PER_S`) are public per-chip totals;
 the estimate takes half of them (one direction) for a device's received shard.
@@ -30,6 +36,7 @@ import jax
 from fbos_jax.planning import hardware as hw
 from fbos_jax.planning import programs as plan_lib
 from fbos_jax import sharding as sh
+from fbos_jax.engine.types import EngineError
 from fbos_jax.rl import split as split_lib
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import shapes as shapes_lib
@@ -56,11 +63,15 @@ class SplitMeshes:
   rules: dict
 
 
-def split_meshes(config, devices, rollout_devices: int) -> SplitMeshes:
+def split_meshes(config, devices, rollout_devices: int,
+                 rollout_mesh: Optional[tuple] = None) -> SplitMeshes:
   """The two meshes of ``rollout_devices`` on ``devices`` (as the run splits them:
-  in one process, or whole processes per side, ``fbos_jax.rl.split.split_of``)."""
-  rollout_cfg = split_lib.rollout_mesh_config(config.mesh,
-                                             config_lib.async_config(config).rollout_mesh)
+  in one process, or whole processes per side, ``fbos_jax.rl.split.split_of``);
+  the rollout mesh's axes ``rollout_mesh`` (((axis, size), ...); default the
+  config's ``rl.rollout_mesh``)."""
+  if rollout_mesh is None:
+    rollout_mesh = config_lib.async_config(config).rollout_mesh
+  rollout_cfg = split_lib.rollout_mesh_config(config.mesh, rollout_mesh)
   trainer, rollout = split_lib.split_of(devices, rollout_devices, config.mesh, rollout_cfg)
   return SplitMeshes(hw.target_mesh(config, trainer), sh.make_mesh(rollout_cfg, rollout),
                      sh.rules_dict(config.mesh.rules))
@@ -207,12 +218,16 @@ def _roofline(parts, mesh, rules, chip) -> dict:
   compiled), the rollout on the run's sampler (``sampling.engine``) under the
   ASSUMED response lengths ``hw.RESPONSE_LENGTHS``, as the compiled plan's."""
   shards = sh.batch_shard_count(mesh, rules)
-  reports = {p.name: plan_lib.ProgramReport(p.name, p.what, p.knobs, p.flops)
+  reports = {p.name: plan_lib.ProgramReport(p.name, p.what, p.knobs, p.flops,
+                                            flops_by_layout=p.flops_by_layout)
              for p in plan_lib.step_programs(parts, mesh, rules)}
   rf = hw.roofline(parts.model, mesh, chip, shapes_lib.sampler_shapes(parts, shards), reports,
                    engine_shapes=shapes_lib.engine_shapes(parts), engine=parts.sampling.engine)
   rollout = sum(v["total_s"] for k, v in rf.items() if k.startswith("sample_"))
-  return {"rollout_s": rollout, "train_s": rf["update"]["total_s"]}
+  u = rf["update"]
+  return {"rollout_s": rollout, "train_s": u["total_s"],
+          "train_padded_s": u.get("padded_s", u["total_s"]),
+          "train_packed_s": u.get("packed_s", u["total_s"])}
 
 
 def modelled_speedup(config, topology: str, rollout_devices: int, *,
@@ -238,3 +253,298 @@ def modelled_speedup(config, topology: str, rollout_devices: int, *,
           "async_step": {"rollout_s": r, "train_s": t, "sync_s": sync, "step_s": t_async,
                          "bound": "rollout" if r >= t + sync else "train + sync"},
           "speedup": t_sync / t_async}
+
+
+# ----------------------------------------------------------------------------- the faithful model (issue 31)
+#
+# Every split of a topology into whole hosts per side, every rollout mesh of the
+# rollout side's devices; the rollout on the continuous engine, drained (each
+# call ends with its longest row: today's model) and never drained (the next
+# calls' rows take the freed slots under the staleness rule); each decode step
+# costs ASSUMED_DECODE_STEP_FIXED_S + the largest of its HBM reads (weights +
+# KV), FLOPs and FSDP weight gathers; the update padded and packed (the plan's
+# own FLOPs, ``flops_by_layout``); the weight sync as plan_sync estimates it.
+
+# ASSUMED: what the engine's programs take beside the page pool and the params'
+# two copies (logits, the window's buffers); to be replaced by the compiled split
+# plan's peak (compile_split_plan).
+ASSUMED_ENGINE_WORKSPACE_BYTES = 4 * GiB
+
+
+def decode_cost(chip, fixed_s: float = hw.ASSUMED_DECODE_STEP_FIXED_S) -> hw.DecodeCost:
+  """A decode step's cost beyond the roofline on ``chip``: ``fixed_s`` per step and
+  the FSDP weight gathers over ICI (one direction: half of :data:`ICI_BYTES_PER_S`)."""
+  return hw.DecodeCost(fixed_s, ICI_BYTES_PER_S.get(chip.name, 0.0) / 2)
+
+
+def rollout_mesh_candidates(model_cfg, devices: int) -> list[tuple]:
+  """Rollout mesh axes (((axis, size), ...)) of ``devices`` devices: tensor each
+  power of two up to the KV heads, the weights either replicated over ``data``
+  (fsdp 1) or FSDP-sharded over the rest (fsdp = devices / tensor)."""
+  out, t = [], 1
+  while t <= min(devices, model_cfg.num_kv_heads):
+    if devices % t == 0:
+      for f in sorted({1, devices // t}):
+        out.append((("dcn", 1), ("data", devices // (t * f)), ("fsdp", f), ("tensor", t)))
+    t *= 2
+  return out
+
+
+def split_candidates(devices) -> list[int]:
+  """Rollout device counts of whole hosts per side whose weight sync can copy shard
+  by shard (one side's count a multiple of the other's)."""
+  per_host = len([d for d in devices if d.process_index == devices[0].process_index])
+  total = len(devices)
+  return [n for n in range(per_host, total, per_host)
+          if max(n, total - n) % min(n, total - n) == 0]
+
+
+def _modelled_meshes(config, devices, n: int, rollout_mesh: tuple) -> tuple:
+  """(SplitMeshes, why the run refuses it or ""): as the run splits the devices when
+  it accepts ``n``; otherwise (several processes: the run needs as many on each
+  side) whole hosts per side, the trainer first, for the model only."""
+  try:
+    return split_meshes(config, devices, n, rollout_mesh), ""
+  except split_lib.AsyncConfigError as e:
+    why = str(e).split(":")[0] + ": " + str(e).split(":", 1)[1].strip()[:90]
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  rollout_cfg = split_lib.rollout_mesh_config(config.mesh, rollout_mesh)
+  meshes = SplitMeshes(hw.target_mesh(config, ordered[:len(devices) - n]),
+                       sh.make_mesh(rollout_cfg, ordered[len(devices) - n:]),
+                       sh.rules_dict(config.mesh.rules))
+  return meshes, why
+
+
+def engine_slots_that_fit(parts, mesh, rules, budget: float) -> dict:
+  """The engine slots (at most ``engine.slots``, a multiple of the batch shards)
+  whose page pool fits ``budget`` bytes per device on ``mesh``, the pool sized as
+  the engine sizes it for the step's largest call (``planning.engine.describe``:
+  each shard's slots hold whole rows, their KV heads split over ``tensor``).
+  Raises EngineError when the engine cannot run on ``mesh`` (its batch shards
+  per process)."""
+  from fbos_jax.engine.runner import Engine
+  from fbos_jax.planning import engine as engine_plan
+  shapes = {k: v for k, v in shapes_lib.engine_shapes(parts).items() if k.startswith("sample_")}
+  ecfg = shapes_lib.engine_config(parts)
+  shards = sh.batch_shard_count(mesh, rules)
+  most = int(ecfg.slots) // shards * shards  # engine.slots is a multiple of the batch shards
+  if most <= 0:
+    raise EngineError(f"engine.slots={ecfg.slots} is fewer than the mesh's {shards} batch shards")
+  per_slot = 0.0  # bytes per device of one slot of its shard
+  for s in shapes.values():
+    eng = Engine(parts.model, s.sampling, dataclasses.replace(ecfg, slots=most, staged=0),
+                 mesh=mesh, rules=rules)
+    d = engine_plan.describe(eng)
+    per_slot = max(per_slot, d["pool_bytes_per_device"] / (d["slots"] // d["batch_shards"]))
+  fit = int(max(budget, 0) // per_slot) * shards
+  return {"slots": min(most, fit), "pool_bytes_per_slot_per_device": per_slot,
+          "slots_configured": int(ecfg.slots)}
+
+
+def rollout_model(parts, mesh, rules, chip, cost: hw.DecodeCost, slots: int,
+                  lengths: hw.ResponseLengths = hw.RESPONSE_LENGTHS) -> dict:
+  """The step's rollout (its sampler calls on the continuous engine through
+  ``slots`` slots, at ``cost`` per decode step): seconds drained (every call ends
+  with its longest row) and continuous (never drains), and the weights' share of a
+  decode step."""
+  out = {"drained_s": 0.0, "continuous_s": 0.0, "calls": {}}
+  for name, s in shapes_lib.engine_shapes(parts).items():
+    if not name.startswith("sample_"):
+      continue
+    est = {k: hw.continuous_estimate(parts.model, mesh, chip, s, lengths, cost=cost, slots=slots,
+                                     drain=drain)
+           for k, drain in (("drained", True), ("continuous", False))}
+    out["calls"][name] = est
+    for k in ("drained", "continuous"):
+      out[f"{k}_s"] += est[k]["total_s"]
+  hbm, gathered = hw.decode_weight_bytes(parts.model, mesh.shape)
+  out["weight_bytes_per_chip"] = {"hbm": hbm, "gathered": gathered}
+  out["weight_s_per_step"] = weight_s_per_step(parts.model, mesh, chip, cost)
+  return out
+
+
+def weight_s_per_step(model_cfg, mesh, chip, cost: hw.DecodeCost) -> float:
+  """Seconds of a decode step's weight traffic on one device of ``mesh``: its HBM
+  reads, or its FSDP gathers over ICI, whichever takes longer
+  (:func:`hardware.decode_weight_bytes`); what the rollout mesh is chosen by."""
+  hbm, gathered = hw.decode_weight_bytes(model_cfg, mesh.shape)
+  bw = chip.hbm_bandwidth / chip.devices_per_chip
+  return max(hbm / bw, gathered / cost.ici_bytes_per_s if cost.ici_bytes_per_s else 0.0)
+
+
+def _mesh_str(shape) -> str:
+  return "x".join(str(shape.get(a, 1)) for a in ("data", "fsdp", "tensor"))
+
+
+def split_model(config, topology: str, *, fixed_s: float = hw.ASSUMED_DECODE_STEP_FIXED_S,
+                chunk_bytes: int = 512 * 2 ** 20,
+                lengths: hw.ResponseLengths = hw.RESPONSE_LENGTHS) -> dict:
+  """The faithful model of ``config``'s asynchronous split on ``topology``
+  (seconds per step; analytic, nothing compiled): for every rollout device count
+  of :func:`split_candidates` and every rollout mesh of
+  :func:`rollout_mesh_candidates`, the rollout continuous and drained
+  (:func:`rollout_model`, through the slots whose page pool fits beside two
+  params copies and ASSUMED_ENGINE_WORKSPACE_BYTES), the update padded and
+  packed on the trainer mesh, the weight sync (:func:`plan_sync`), and
+
+  * ``sync = rollout(all, drained) + train(all)`` on the config's mesh (and on
+    the decode mesh of all devices, for reference), the config's engine slots;
+  * ``async = max(rollout(N, continuous), train(rest) + sync)``.
+
+  The rollout mesh chosen for each N reads the fewest weight bytes per chip per
+  step (``weight_s_per_step``: HBM reads and FSDP gathers) among those that fit
+  and whose rows the trainer's batch shards divide. ``best``: the fastest chosen
+  split the run accepts (``runs``), else None."""
+  devices = hw.topology_devices(topology)
+  chip = hw.chip_spec(devices[0])
+  hbm, frac = hw.hbm_bytes(devices[0]), hw.fit_fraction(devices[0])
+  parts = plan_lib.plan_parts(config)
+  rules = sh.rules_dict(config.mesh.rules)
+  cost = decode_cost(chip, fixed_s)
+  run_update = "packed" if parts.update.packed else "padded"
+
+  def sync_ref(mesh):
+    """The synchronous step on ``mesh`` (all devices): its slots fit beside the
+    train state and one compute copy of the params."""
+    need = split_lib.split_bytes(parts, full, mesh, rules)
+    budget = frac * hbm - need["trainer"] - need["rollout"] / 2 - ASSUMED_ENGINE_WORKSPACE_BYTES
+    n_slots = engine_slots_that_fit(parts, mesh, rules, budget)["slots"]
+    r = rollout_model(parts, mesh, rules, chip, cost, n_slots, lengths)
+    t = _roofline(parts, full, rules, chip)
+    return {"mesh": _mesh_str(mesh.shape), "slots": n_slots, "rollout_s": r["drained_s"],
+            "weight_s_per_step": r["weight_s_per_step"],
+            "train_padded_s": t["train_padded_s"], "train_packed_s": t["train_packed_s"],
+            **{f"step_{k}_s": r["drained_s"] + t[f"train_{k}_s"] for k in ("padded", "packed")}}
+
+  full = hw.target_mesh(config, devices)
+  sync = {"configured": sync_ref(full)}
+  decode = []  # the rollout meshes of all devices the engine runs on, by weight time
+  for rm in rollout_mesh_candidates(parts.model, len(devices)):
+    mesh = sh.make_mesh(split_lib.rollout_mesh_config(config.mesh, rm), devices)
+    try:
+      engine_slots_that_fit(parts, mesh, rules, 0)
+    except EngineError:
+      continue
+    decode.append((weight_s_per_step(parts.model, mesh, chip, cost), mesh))
+  # the synchronous loop's rollout resharded to the decode mesh (not what it does
+  # today): what the split gains beyond choosing a decode layout
+  sync["decode_mesh"] = sync_ref(min(decode, key=lambda x: x[0])[1])
+  rows, trainers = [], {}
+  for n in split_candidates(devices):
+    for rm in rollout_mesh_candidates(parts.model, n):
+      try:
+        meshes, refused = _modelled_meshes(config, devices, n, rm)
+      except (sh.ShardingError, hw.PlanError, split_lib.AsyncConfigError):
+        continue
+      row = {"rollout_devices": n, "trainer_devices": meshes.trainer.size,
+             "rollout_mesh": _mesh_str(meshes.rollout.shape),
+             "trainer_mesh": _mesh_str(meshes.trainer.shape), "refused": refused}
+      try:
+        split_lib.check_rows(parts, meshes.trainer, meshes.rollout, rules)
+      except split_lib.AsyncConfigError as e:
+        row["invalid"] = str(e)[:120]
+      need = split_lib.split_bytes(parts, meshes.trainer, meshes.rollout, rules)
+      try:
+        fit = engine_slots_that_fit(parts, meshes.rollout, rules,
+                                    frac * hbm - need["rollout"] - ASSUMED_ENGINE_WORKSPACE_BYTES)
+      except EngineError as e:  # the engine's batch shards per process
+        row.update(invalid=f"engine: {e}"[:120], slots=0)
+        rows.append(row)
+        continue
+      row.update(slots=fit["slots"], rollout_params_bytes=need["rollout"],
+                 trainer_state_bytes=need["trainer"],
+                 trainer_state_fits=need["trainer"] <= frac * hbm)
+      if fit["slots"] <= 0:
+        row["invalid"] = row.get("invalid") or "no engine slot fits beside the params"
+        rows.append(row)
+        continue
+      if n not in trainers:
+        try:
+          trainers[n] = _roofline(parts, meshes.trainer, rules, chip)
+        except sh.ShardingError as e:
+          trainers[n] = f"trainer mesh {row['trainer_mesh']}: {e}"[:120]
+      t = trainers[n]
+      if isinstance(t, str):
+        row["invalid"] = t
+        rows.append(row)
+        continue
+      r = rollout_model(parts, meshes.rollout, rules, chip, cost, fit["slots"], lengths)
+      sy = plan_sync(parts, meshes, chunk_bytes, chip)["est_s"]
+      row.update(weight_s_per_step=r["weight_s_per_step"],
+                 weight_bytes_per_chip=r["weight_bytes_per_chip"],
+                 rollout_drained_s=r["drained_s"], rollout_continuous_s=r["continuous_s"],
+                 train_padded_s=t["train_padded_s"], train_packed_s=t["train_packed_s"],
+                 sync_s=sy)
+      for k in ("padded", "packed"):
+        a = max(r["continuous_s"], t[f"train_{k}_s"] + sy)
+        row[f"async_{k}_s"] = a
+        row[f"async_{k}_drained_s"] = max(r["drained_s"], t[f"train_{k}_s"] + sy)
+        row[f"speedup_{k}"] = sync["configured"][f"step_{k}_s"] / a
+        row[f"speedup_{k}_vs_decode_mesh_sync"] = sync["decode_mesh"][f"step_{k}_s"] / a
+      row["bound"] = ("rollout" if r["continuous_s"] >= t[f"train_{run_update}_s"] + sy
+                      else "update + sync")
+      rows.append(row)
+  for n in sorted({r["rollout_devices"] for r in rows}):
+    ok = [r for r in rows if r["rollout_devices"] == n and "invalid" not in r]
+    if ok:
+      min(ok, key=lambda r: (r["weight_s_per_step"], -r["slots"]))["chosen"] = True
+  chosen = [r for r in rows if r.get("chosen")]
+  key = lambda r: r[f"async_{run_update}_s"]
+  runs = [r for r in chosen if not r["refused"] and r["trainer_state_fits"]]
+  return {"topology": topology, "chip": chip.name, "update": run_update,
+          "assumptions": {"ASSUMED_DECODE_STEP_FIXED_S": fixed_s,
+                          "ASSUMED_ENGINE_WORKSPACE_BYTES": ASSUMED_ENGINE_WORKSPACE_BYTES,
+                          "DCN_BYTES_PER_S_PER_HOST": DCN_BYTES_PER_S_PER_HOST,
+                          "ici_bytes_per_s_one_direction": cost.ici_bytes_per_s,
+                          "response_lengths": lengths.describe(
+                              parts.sampling.round1.max_new_tokens)},
+          "sync": sync, "rows": rows,
+          "best": min(runs, key=key) if runs else None,
+          "best_any": min(chosen, key=key) if chosen else None}
+
+
+def format_split_model(m: dict) -> str:
+  """The model's table: one line per (rollout devices, rollout mesh), the chosen
+  mesh of each split marked *, then the best split."""
+  u = m["update"]
+  lines = []
+  for k, s in m["sync"].items():
+    lines.append(f"synchronous on all chips, {k} rollout mesh {s['mesh']} (data x fsdp x tensor),"
+                 f" {s['slots']} slots: rollout (drained) {s['rollout_s']:.1f} s + update padded "
+                 f"{s['train_padded_s']:.1f} / packed {s['train_packed_s']:.1f} s = "
+                 f"{s['step_padded_s']:.1f} / {s['step_packed_s']:.1f} s per step")
+  lines.append(f"{'N':>3} {'T':>3}  {'rollout mesh':<12} {'W GB/chip':>9} {'wt ms':>6} "
+               f"{'slots':>5} {'roll drain':>10} {'roll cont':>9} {'upd pad':>7} "
+               f"{'upd pack':>8} {'sync':>5} {'async pad':>9} {'async pack':>10} "
+               f"{'x pad':>5} {'x pack':>6} {'x pack/D':>8}  note")
+  for r in m["rows"]:
+    head = (f"{r['rollout_devices']:>3} {r['trainer_devices']:>3}{'*' if r.get('chosen') else ' '} "
+            f"{r['rollout_mesh']:<12}")
+    if "weight_s_per_step" not in r:
+      lines.append(f"{head} {'':>9} {'':>6} {r['slots']:>5}  {r['invalid']}")
+      continue
+    w = r["weight_bytes_per_chip"]
+    notes = [r["invalid"][:60]] if "invalid" in r else []
+    if r["refused"]:
+      notes.append("the run refuses this N")
+    if not r["trainer_state_fits"]:
+      notes.append("trainer state does not fit")
+    lines.append(
+        f"{head} {(w['hbm'] + w['gathered']) / 1e9:>9.2f} {1e3 * r['weight_s_per_step']:>6.1f} "
+        f"{r['slots']:>5} {r['rollout_drained_s']:>10.1f} {r['rollout_continuous_s']:>9.1f} "
+        f"{r['train_padded_s']:>7.1f} {r['train_packed_s']:>8.1f} {r['sync_s']:>5.2f} "
+        f"{r['async_padded_s']:>9.1f} {r['async_packed_s']:>10.1f} {r['speedup_padded']:>5.2f} "
+        f"{r['speedup_packed']:>6.2f} {r['speedup_packed_vs_decode_mesh_sync']:>8.2f}  "
+        f"{'; '.join(notes)}")
+  b = m["best"]
+  if b:
+    lines.append(f"best split (the run's {u} update): rl.rollout_devices={b['rollout_devices']}, "
+                 f"rollout mesh {b['rollout_mesh']} (data x fsdp x tensor), {b['slots']} slots: "
+                 f"async {b[f'async_{u}_s']:.1f} s vs sync {m['sync']['configured'][f'step_{u}_s']:.1f}"
+                 f" s per step = {b[f'speedup_{u}']:.2f}x ({b['bound']}-bound); against the "
+                 f"synchronous step on the decode mesh "
+                 f"{m['sync']['decode_mesh'][f'step_{u}_s']:.1f} s: "
+                 f"{b[f'speedup_{u}_vs_decode_mesh_sync']:.2f}x")
+  else:
+    lines.append("best split: none the run accepts")
+  return "\n".join(line.rstrip() for line in lines)

@@ -331,11 +331,34 @@ def engine_schedule(lengths, slots: int) -> tuple:
 # ----------------------------------------------------------------------------- roofline
 
 
-def _param_bytes_per_device_decode(model_cfg, mesh) -> float:
-  """Weight bytes one device reads per decode step: its tensor-parallel share of
-  all weights (FSDP shards are gathered for the matmuls)."""
+# ASSUMED, to be replaced by a measurement on a TPU (the engine's decode window at
+# a few rows, divided by its steps): what one decode step of an 8B-class model
+# costs beyond the bytes it reads and the FLOPs it computes: kernel launches, the
+# tensor-parallel all-reduces' latency (two per layer), sampling, the loop.
+ASSUMED_DECODE_STEP_FIXED_S = 2e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCost:
+  """What a decode step costs besides its HBM reads and FLOPs: ``fixed_s`` per step
+  (e.g. :data:`ASSUMED_DECODE_STEP_FIXED_S`), and, with ``ici_bytes_per_s`` > 0
+  (one direction, per device), the FSDP all-gather of the weights every step
+  (:func:`decode_weight_bytes`). The default adds nothing: the roofline's
+  lower bound."""
+  fixed_s: float = 0.0
+  ici_bytes_per_s: float = 0.0
+
+
+def decode_weight_bytes(model_cfg, mesh_shape) -> tuple:
+  """(HBM bytes, gathered bytes) of weights one device moves per decode step on a
+  mesh of ``mesh_shape`` ({axis: size}, or a Mesh's ``.shape``): it reads its
+  tensor-parallel share of all weights (1 / tensor of them), and, when they are
+  FSDP-sharded, first receives the (fsdp - 1) / fsdp of that share it does not
+  hold (the ``data`` axis replicates them: no gather)."""
   n = qwen.count_params(qwen.abstract_params(model_cfg))
-  return n * jnp.dtype(model_cfg.compute_dtype).itemsize / mesh.shape["tensor"]
+  share = n * jnp.dtype(model_cfg.compute_dtype).itemsize / mesh_shape.get("tensor", 1)
+  fsdp = mesh_shape.get("fsdp", 1)
+  return share, share * (fsdp - 1) / fsdp
 
 
 def kv_bytes_per_position(model_cfg) -> int:
@@ -365,15 +388,20 @@ def _kv_bytes_per_device(model_cfg, mesh, rows: int, ctx: float) -> float:
 
 
 def _step_time(model_cfg, mesh, chip, n_dev: int, computed_rows: float, live_rows: float,
-               ctx: float) -> tuple:
+               ctx: float, cost: DecodeCost = DecodeCost()) -> tuple:
   """(seconds, bound) of one decode step that computes ``computed_rows`` rows and
-  reads the KV cache of ``live_rows`` rows of ``ctx`` keys each."""
+  reads the KV cache of ``live_rows`` rows of ``ctx`` keys each: ``cost.fixed_s``
+  + the largest of its HBM reads (weights + KV) at HBM bandwidth, its FLOPs at the
+  bf16 peak and (``cost.ici_bytes_per_s``) its weight gathers over ICI."""
   peak = chip.peak_bf16_flops / chip.devices_per_chip  # per JAX device
   bw = chip.hbm_bandwidth / chip.devices_per_chip
-  mem = (_param_bytes_per_device_decode(model_cfg, mesh)
-         + _kv_bytes_per_device(model_cfg, mesh, live_rows, ctx)) / bw
-  comp = decode_flops(model_cfg, computed_rows, ctx) / n_dev / peak
-  return max(mem, comp), ("memory" if mem >= comp else "compute")
+  weights, gathered = decode_weight_bytes(model_cfg, mesh.shape)
+  times = {"memory": (weights + _kv_bytes_per_device(model_cfg, mesh, live_rows, ctx)) / bw,
+           "compute": decode_flops(model_cfg, computed_rows, ctx) / n_dev / peak}
+  if cost.ici_bytes_per_s:
+    times["weight gather"] = gathered / cost.ici_bytes_per_s
+  bound = max(times, key=times.get)
+  return cost.fixed_s + times[bound], bound
 
 
 def static_estimate(model_cfg, mesh, chip, shape, lengths: ResponseLengths) -> dict:
@@ -399,23 +427,35 @@ def static_estimate(model_cfg, mesh, chip, shape, lengths: ResponseLengths) -> d
   return out
 
 
-def continuous_estimate(model_cfg, mesh, chip, shape, lengths: ResponseLengths) -> dict:
+def continuous_estimate(model_cfg, mesh, chip, shape, lengths: ResponseLengths, *,
+                        cost: DecodeCost = DecodeCost(), slots: int = 0,
+                        drain: bool = True) -> dict:
   """An engine call (``shapes.EngineShape``): the prompts prefilled once, then
-  ``slots`` slots decode the call's rows, refilled as rows stop
-  (:func:`engine_schedule` over :meth:`ResponseLengths.sample`); a step
-  computes every slot and reads the caches of the live rows (slots x
-  utilisation on average, each at the mean context of a generated token)."""
+  ``slots`` slots (default ``shape.slots``) decode the call's rows, refilled as
+  rows stop; a step computes every slot and reads the caches of the live rows
+  (slots x utilisation on average, each at the mean context of a generated
+  token), at ``cost`` (:class:`DecodeCost`) per step.
+
+  * ``drain=True``: the call ends when its last row stops (:func:`engine_schedule`
+    over :meth:`ResponseLengths.sample`: the longest rows decide the tail);
+  * ``drain=False``: generation that never drains (the rows of the next calls
+    take the freed slots): every slot busy, the call's decode steps are its
+    tokens over the slots."""
   n_dev = mesh.size
   peak = chip.peak_bf16_flops / chip.devices_per_chip
   r, p, rows = shape.max_new_tokens, shape.prompt_len, shape.rows
+  slots = int(slots or shape.slots)
   lens = lengths.sample(rows, r)
-  steps, util = engine_schedule(lens, shape.slots)
-  computed = min(shape.slots, rows)
+  if drain:
+    steps, util = engine_schedule(lens, slots)
+  else:
+    steps, util = float(np.sum(lens)) / slots, 1.0
+  computed = min(slots, rows) if drain else slots
   ctx = p + float(np.sum(lens.astype(np.float64) ** 2) / (2 * np.sum(lens)))
-  per, bound = _step_time(model_cfg, mesh, chip, n_dev, computed, computed * util, ctx)
+  per, bound = _step_time(model_cfg, mesh, chip, n_dev, computed, computed * util, ctx, cost)
   pre = analytic_flops(model_cfg, kind="sample", rows=shape.prompts, prompts=shape.prompts,
                        prompt_len=p, response_len=1)
-  out = {"slots": shape.slots, "rows": rows, "steps": float(steps), "slot_util": util,
+  out = {"slots": slots, "rows": rows, "steps": float(steps), "slot_util": util,
          "step_s": per, "bound": bound, "prefill_s": pre / (n_dev * peak),
          "decode_s": steps * per}
   out["total_s"] = out["prefill_s"] + out["decode_s"]
