@@ -25,10 +25,11 @@ import dataclasses
 import math
 from typing import Optional
 
-TERM_BATCHES = ("epa", "ecc", "fcp")
-POLICY_GRADIENT_LOSSES = ("policy_gradient", "decoupled")
-ADVANTAGES = ("grpo", "drgrpo", "batch_std")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+import fbos_kernels as K
+
+from fbos_jax.rl import batch_kinds
+
+TERM_BATCHES = batch_kinds.NAMES  # the batches a term can train on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +160,12 @@ class RolloutSpec:
   @property
   def gfpo(self) -> bool:
     return bool(self.gfpo_k or self.gfpo_adaptive)
+
+  @property
+  def conditional(self) -> bool:
+    """Whether round 1 and the eval sample under <EF>c+</EF>q (``rl.prompt=fcp``:
+    the prompt mode of FCP, not its batch)."""
+    return self.prompt == "fcp"
 
   @property
   def tau(self) -> float:
@@ -474,14 +481,13 @@ def _validate_rl(config, errs):
   for name, t in rl.terms.items():
     if name not in TERM_BATCHES:
       errs.append(f"rl.terms.{name}: unknown term; the rollout builds {' | '.join(TERM_BATCHES)}")
-    import fbos_kernels as K
     if t.loss not in K.POLICY_LOSSES:
       errs.append(f"rl.terms.{name}.loss={t.loss!r}: expected one of "
                   f"{' | '.join(sorted(K.POLICY_LOSSES))}")
     if not (isinstance(t.weight, (int, float)) and math.isfinite(t.weight) and t.weight >= 0):
       errs.append(f"rl.terms.{name}.weight={t.weight!r}: must be >= 0 (0 = off)")
   names = {t.batch for t in terms}
-  pg = any(t.loss in POLICY_GRADIENT_LOSSES for t in terms)
+  pg = any(t.loss in K.ADVANTAGE_LOSSES for t in terms)
   if pg and rl.group_size < 2:
     errs.append(f"rl.group_size={rl.group_size}: group-normalised advantages need >= 2 "
                 "rollouts per prompt (set --config.rl.group_size=8)")
@@ -493,31 +499,33 @@ def _validate_rl(config, errs):
   if rl.round2 and config.data.verifier in ("", "none"):
     errs.append(f"rl.round2=True (fap_mode={rl.fap_mode!r}) needs verifier feedback, but "
                 f"data.verifier={config.data.verifier!r}")
-  if "ecc" in names and not rl.round2:
-    errs.append(f"rl.terms.ecc.weight={rl.terms.ecc.weight} > 0 trains on FAPs, which needs "
-                "rl.round2=True")
-  if rl.round2 and not names & {"epa", "ecc"}:
-    errs.append("rl.round2=True samples feedback-guided rollouts, but neither rl.terms.epa nor "
-                "rl.terms.ecc uses them (both weights are 0)")
+  for name in sorted(names):
+    if batch_kinds.kind(name).needs_round2 and not rl.round2:
+      errs.append(f"rl.terms.{name}.weight={rl.terms[name].weight} > 0 trains on round-2 "
+                  "rollouts (on their FAPs), which needs rl.round2=True")
+  users = [k.name for k in batch_kinds.KINDS.values() if k.uses_round2]
+  if rl.round2 and not names & set(users):
+    errs.append(f"rl.round2=True samples feedback-guided rollouts, but none of "
+                f"{', '.join('rl.terms.' + n for n in users)} uses them (their weights are 0)")
   _validate_rl_values(config, errs)
 
 
-# the rl fields that take one of a few names (the terms' losses: fbos_kernels.POLICY_LOSSES)
+# the rl fields that take one of a few names; the kernels' own are read from their
+# registries (the terms' losses: fbos_kernels.POLICY_LOSSES)
 RL_CHOICES = {
-    "prompt": ("plain", "fcp"), "advantage": ADVANTAGES, "loss_agg": AGG_MODES,
-    "offpolicy_ratio_denominator": ("one", "behaviour"),
+    "prompt": ("plain", "fcp"), "advantage": tuple(K.ADVANTAGE_ESTIMATORS),
+    "loss_agg": tuple(K.AGGREGATION_MODES), "offpolicy_ratio_denominator": K.RATIO_DENOMINATORS,
     "objective_schedule": ("joint", "alternate"), "fap_from": ("failed", "all"),
     "fap_mode": ("single", "aggregated"), "epa_select": ("correct", "improved", "all"),
     "epa_mode": ("append", "replace"), "epa_trigger": ("always", "adaptive"),
-    "ecc_advantage": ("group", "improvement"), "gfpo_metric": ("length", "token_efficiency"),
-    "kl_kind": ("k1", "k2", "k3"), "inflight_update": INFLIGHT_UPDATES,
+    "ecc_advantage": ("group", "improvement"), "gfpo_metric": tuple(K.GFPO_METRICS),
+    "kl_kind": K.KL_ESTIMATORS, "inflight_update": INFLIGHT_UPDATES,
 }
 
 
 def choice_fields() -> dict:
   """Every field of ``sampling``, ``engine`` and ``rl`` that takes one of a few
   names, dotted -> the names (what validation accepts; ``tests`` enumerate them)."""
-  import fbos_kernels as K
   from fbos_jax.engine import types as engine_types
   out = {"sampling.engine": ENGINES, "engine.attention": engine_types.ATTENTION}
   out.update({f"rl.{k}": v for k, v in RL_CHOICES.items()})
@@ -559,9 +567,8 @@ def longest_row(config) -> tuple:
   """(tokens, what) of the longest row any batch of the update can have: the
   largest prompt bucket a term (or the SFT warm start) trains on plus
   ``sampling.max_new_tokens``."""
-  s, names = config.sampling, {t.batch for t in terms_of(config)}
-  fields = (["sampling.prompt_buckets"] if "epa" in names else []) + (
-      ["sampling.fap_prompt_buckets"] if names & {"ecc", "fcp"} else [])
+  s = config.sampling
+  fields = [batch_kinds.kind(t.batch).prompt_field for t in terms_of(config)]
   if config.train.warm_start == "sft":  # demonstrations and corrections: both kinds of bucket
     fields = ["sampling.prompt_buckets", "sampling.fap_prompt_buckets"]
   fields = fields or ["sampling.prompt_buckets"]
