@@ -43,15 +43,16 @@ class Term:
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """The static knobs of every term's token loss (part of the compiled program)."""
+  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
   loss_agg: str = "token-mean"
   norm_len: int = 0  # seq-mean-token-sum-norm's constant; 0 = the response bucket length
   eps_low: float = 0.2
-  eps_high: float = 0.28
-  dual_clip: float = 0.0  # 0 = off
-  offpolicy_lambda: float = 0.1
-  offpolicy_ratio_denominator: str = "one"
-  behav_weight_cap: float = 5.0
-  kl_beta: float = 0.0
+  eps_high: float = 0.28  # clip-higher (DAPO)
+  dual_clip: float = 0.0  # 0 = off; else c > 1 (e.g. 3.0), applied where A < 0
+  offpolicy_lambda: float = 0.1  # f(u) = u / (u + lambda)
+  offpolicy_ratio_denominator: str = "one"  # one | behaviour
+  behav_weight_cap: float = 5.0  # AReaL: mask tokens whose pi_prox/pi_behav exceeds this
+  kl_beta: float = 0.0  # > 0 keeps a frozen reference model in the train state
   kl_kind: str = "k3"
   entropy_coef: float = 0.0
   temperature: float = 1.0  # log-probs are of the temperature-scaled policy
@@ -75,11 +76,11 @@ class UpdateConfig:
   so it computes as many as the real tokens need."""
   terms: tuple  # of Term, weight > 0
   loss: LossConfig = LossConfig()
-  epochs: int = 1
-  mini_batches: int = 1
-  micro_batches: int = 1
-  schedule: str = "joint"  # joint | alternate
-  skip_nonfinite: bool = True
+  epochs: int = 1  # rl.ppo_epochs
+  mini_batches: int = 1  # optimizer steps per rollout batch per epoch
+  micro_batches: int = 1  # gradient accumulation inside one optimizer step (exact token-mean)
+  schedule: str = "joint"  # rl.objective_schedule: joint | alternate (terms take turns by step)
+  skip_nonfinite: bool = True  # skip (and log) a step whose loss/grad is not finite; False = fatal
   micro_batch_tokens: int = 0  # > 0: packed batches, micro-batches by this token budget
   fixed_micro_batches: bool = False  # packed: the most micro-batches, empty ones skipped
 
@@ -108,13 +109,13 @@ class OptimConfig:
   """AdamW with warm-up and a schedule (``fbos_jax/optim.py``); ``total_steps``
   optimizer steps in the run (the schedule's length)."""
   learning_rate: float
-  schedule: str = "constant"
-  warmup_steps: int = 0
+  schedule: str = "constant"  # constant | cosine
+  warmup_steps: int = 10
   b1: float = 0.9
   b2: float = 0.999
-  weight_decay: float = 0.0
-  grad_clip: float = 0.0
-  opt_state_dtype: str = "float32"
+  weight_decay: float = 0.01
+  grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0 = off
+  opt_state_dtype: str = "float32"  # Adam's moments, whatever the params' dtype
   total_steps: int = 1
   # True: update k at the schedule's value at k, so a warmed-up run's update 0 is at
   # lr 0 (optax's count). Only the SFT warm start keeps it: its result is sensitive to
@@ -133,27 +134,33 @@ class RolloutSpec:
   """
   prompts_per_step: int
   group_size: int
-  prompt: str = "plain"  # plain | fcp
-  fcp_positive_feedback: str = "correct"
+  prompt: str = "plain"  # plain: sample on q | fcp: on <EF>c+</EF>q (FCP, section 7)
+  fcp_positive_feedback: str = "correct"  # c+ of rl.prompt=fcp
+  # --- feedback-guided exploration (round 2); off for GRPO/GFPO
   round2: bool = False
-  round2_size: int = 8
-  fap_from: str = "failed"
-  fap_mode: str = "single"
-  epa_select: str = "correct"
-  epa_mode: str = "append"
-  epa_trigger: str = "always"
+  round2_size: int = 8  # m: round-2 rollouts per prompt
+  fap_from: str = "failed"  # failed | all: which round-1 rollouts get a FAP
+  fap_mode: str = "single"  # single: FAP(q, o_i, F_i) | aggregated: GOLF's one prompt per q
+  # --- EPA: feedback-guided rollouts pulled back onto q as off-policy samples
+  epa_select: str = "correct"  # correct | improved | all
+  epa_mode: str = "append"  # append (group grows) | replace (GOLF)
+  epa_trigger: str = "always"  # always | adaptive (only when round-1 mean reward < epa_tau)
   epa_tau: float = -1.0  # -1 = 1/n
-  epa_max_per_prompt: int = 8
-  ecc_advantage: str = "group"
-  advantage: str = "grpo"
+  epa_max_per_prompt: int = 8  # cap on appended/replaced samples per prompt (static shapes)
+  ecc_advantage: str = "group"  # group | improvement (ECC's advantage on the FAPs)
+  advantage: str = "grpo"  # grpo | drgrpo | batch_std (section 1)
   adv_eps: float = 1e-6
-  gfpo_k: int = 0
-  gfpo_metric: str = "length"
-  gfpo_adaptive: bool = False
-  gfpo_k_map: tuple = (8, 8, 6, 4)
+  # --- GFPO
+  gfpo_k: int = 0  # 0 = off; keep k of G per group
+  gfpo_metric: str = "length"  # length | token_efficiency
+  gfpo_adaptive: bool = False  # adaptive-difficulty k (k_map over difficulty buckets)
+  gfpo_k_map: tuple = (8, 8, 6, 4)  # very hard, hard, medium, easy (for G=16)
   gfpo_history: int = 256
-  fixed_row_buckets: bool = False
-  stream_rounds: bool = False  # round 2 streamed in beside round 1 (the continuous engine)
+  fixed_row_buckets: bool = False  # True: one update program per run (pad rows to the max)
+  # a prompt's round 2 joins the engine's queue as soon as its round-1 verdicts are in
+  # (decoding beside the rest of round 1; fbos_jax/rl/stream.py); needs
+  # sampling.engine=continuous. The step's rollouts are the same either way.
+  stream_rounds: bool = False
   success_threshold: float = 1.0
   terms: tuple = ()  # the update's terms (which batches the rollout builds)
 
@@ -249,6 +256,90 @@ class RunParts:
   optim: OptimConfig
   seed: int = 0
   asynchronous: AsyncConfig = AsyncConfig()
+
+
+# ----------------------------------------------------------------------------- defaults
+#
+# The typed parts' dataclasses are the one home of the library's defaults: the
+# sections of ``configs/base.py`` that they own (``rl``, ``optim``, ``sampling``'s
+# sampler fields, ``model``'s attention fields) are built from them
+# (:func:`section_defaults`), and ``configs/base.py`` sets over them only what
+# the project's configs change, each change a commented line of its
+# ``CHANGED_DEFAULTS`` (``tests/test_config_defaults.py`` fails on any other
+# difference).
+
+# A part's field under another name (or unit) in the config: {part field: rl field}.
+# build_parts reads rl.<the config's name>; the defaults come out under it.
+RL_NAMES = {"epochs": "ppo_epochs", "schedule": "objective_schedule",
+            "fixed_micro_batches": "fixed_row_buckets",
+            "sync_chunk_bytes": "sync_chunk_mib"}  # MiB in the config, bytes in AsyncConfig
+MIB = 2 ** 20
+# The fields of the typed parts that are not config fields: set by build_parts from
+# elsewhere (the tokenizer, sampling.temperature, verifier.success_threshold,
+# train.steps, rl.terms) or library knobs no config sets.
+NOT_CONFIG_FIELDS = {
+    "LossConfig": ("norm_len", "temperature", "time_chunk", "vocab_chunk", "vocab_limit"),
+    "UpdateConfig": ("terms", "loss"),
+    "RolloutSpec": ("success_threshold", "terms"),
+    "OptimConfig": ("total_steps", "warmup_from_zero"),
+    "SamplingConfig": ("greedy", "truncate", "pad_id", "layer_loop", "cache_dtype",
+                       "decode_phases", "vocab_limit"),
+}
+
+
+def defaults_of(cls, renames: Optional[dict] = None, *, only=None) -> dict:
+  """{config field: default} of dataclass ``cls``'s fields that have a default
+  and are config fields (not in :data:`NOT_CONFIG_FIELDS`; ``only``: just these),
+  named as the config names them (``renames``: {part field: config field})."""
+  renames, skip = renames or {}, NOT_CONFIG_FIELDS.get(cls.__name__, ())
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.name in skip or (only is not None and f.name not in only):
+      continue
+    if f.default is not dataclasses.MISSING:
+      out[renames.get(f.name, f.name)] = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      out[renames.get(f.name, f.name)] = f.default_factory()
+  return out
+
+
+def _merged(*dicts) -> dict:
+  """One section from several parts' defaults; a field two parts share must agree."""
+  out = {}
+  for d in dicts:
+    for k, v in d.items():
+      if k in out and out[k] != v:
+        raise ValueError(f"two typed parts disagree on the default of {k}: {out[k]!r} vs {v!r}")
+      out[k] = v
+  return out
+
+
+def section_defaults(section: str) -> dict:
+  """The library's defaults of config section ``section``, in the config's names
+  and units: ``rl`` (:class:`RolloutSpec`, :class:`LossConfig`,
+  :class:`UpdateConfig`, :class:`AsyncConfig`; ``rl.terms`` from the batch kinds,
+  every weight 0), ``optim`` (:class:`OptimConfig`; ``learning_rate`` has no
+  default), ``sampling`` (the sampler's fields of
+  :class:`fbos_jax.sampling.SamplingConfig`) and ``model`` (the attention fields
+  of :class:`fbos_jax.model.qwen.ModelConfig`: the architecture is a variant's)."""
+  if section == "rl":
+    from fbos_jax import sharding as sh
+    asy = defaults_of(AsyncConfig, RL_NAMES)
+    asy["sync_chunk_mib"] //= MIB
+    asy["rollout_mesh"] = {axis: dict(asy["rollout_mesh"]).get(axis, 0) for axis in sh.MESH_AXES}
+    terms = {k.name: {"loss": k.loss, "weight": 0.0} for k in batch_kinds.KINDS.values()}
+    return _merged(defaults_of(RolloutSpec, RL_NAMES), defaults_of(LossConfig, RL_NAMES),
+                   defaults_of(UpdateConfig, RL_NAMES), asy, {"terms": terms})
+  if section == "optim":
+    return defaults_of(OptimConfig)
+  if section == "sampling":
+    from fbos_jax import sampling as sampling_lib
+    return defaults_of(sampling_lib.SamplingConfig)
+  if section == "model":
+    from fbos_jax.model import qwen
+    return defaults_of(qwen.ModelConfig,
+                       only=("attention", "attention_block_q", "attention_block_kv"))
+  raise ValueError(f"no typed part owns config section {section!r}")
 
 
 class _Reads:
