@@ -29,8 +29,6 @@ import fbos_kernels as K
 
 from fbos_jax.rl import batch_kinds
 
-TERM_BATCHES = batch_kinds.NAMES  # the batches a term can train on
-
 
 @dataclasses.dataclass(frozen=True)
 class Term:
@@ -361,7 +359,7 @@ class _Reads:
 def terms_of(config) -> tuple:
   """The active terms (weight > 0) of ``config.rl.terms``, in a fixed order."""
   out = []
-  for name in TERM_BATCHES:
+  for name in batch_kinds.NAMES:
     t = config.rl.terms.get(name)
     if t is not None and float(t.weight) > 0:
       out.append(Term(name, str(t.loss), float(t.weight)))
@@ -570,8 +568,9 @@ def _validate_rl(config, errs):
     errs.append("rl.terms: every term has weight 0, so RL would train nothing; set e.g. "
                 "--config.rl.terms.epa.weight=1")
   for name, t in rl.terms.items():
-    if name not in TERM_BATCHES:
-      errs.append(f"rl.terms.{name}: unknown term; the rollout builds {' | '.join(TERM_BATCHES)}")
+    if name not in batch_kinds.NAMES:
+      errs.append(f"rl.terms.{name}: unknown term; the rollout builds "
+                  f"{' | '.join(batch_kinds.NAMES)}")
     if t.loss not in K.POLICY_LOSSES:
       errs.append(f"rl.terms.{name}.loss={t.loss!r}: expected one of "
                   f"{' | '.join(sorted(K.POLICY_LOSSES))}")
@@ -620,7 +619,7 @@ def choice_fields() -> dict:
   from fbos_jax.engine import types as engine_types
   out = {"sampling.engine": ENGINES, "engine.attention": engine_types.ATTENTION}
   out.update({f"rl.{k}": v for k, v in RL_CHOICES.items()})
-  out.update({f"rl.terms.{t}.loss": tuple(sorted(K.POLICY_LOSSES)) for t in TERM_BATCHES})
+  out.update({f"rl.terms.{t}.loss": tuple(sorted(K.POLICY_LOSSES)) for t in batch_kinds.NAMES})
   return out
 
 
