@@ -13,9 +13,14 @@ Flavors (``:tiny,decoupled``) are named changes on top, listed per file.
   python launch/train.py --config=configs/fbos.py:qwen_8b --dry_run --topology=v5p:2x4x4
 
 Every field can be overridden, e.g. ``--config.rl.group_size=16``. The
-sections whose defaults the library owns (``data``, ``templates``, the sharding
-rules) are taken from it, so a default has one home; ``fbos_jax/rl/config.py``
-validates a config and turns it into the library's typed parts.
+defaults the library owns are taken from it, so a default has one home: ``data``,
+``templates``, the sharding rules, ``engine``, and the typed parts' sections
+(``rl``, ``optim``, the sampler's ``sampling`` fields, ``model``'s attention
+fields: ``fbos_jax/rl/config.py:section_defaults``, where each field is
+explained). This file sets over them only the run sizes the library has no
+default for and :data:`CHANGED_DEFAULTS` (each with its reason);
+``tests/test_config_defaults.py`` fails on any other difference.
+``fbos_jax/rl/config.py`` validates a config and turns it into the typed parts.
 """
 
 import ml_collections as mlc

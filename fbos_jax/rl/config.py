@@ -497,7 +497,8 @@ def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
          + [f"rl.{k}" for k in rl.unknown(also_known=("terms",))])
   if bad:
     raise ValueError(f"unknown config field(s) {', '.join(bad)}: nothing reads them (a typo?); "
-                     "the fields and their defaults are in configs/base.py")
+                     "the fields are in configs/base.py, their defaults in the typed parts it is "
+                     "built from (fbos_jax/rl/config.py)")
   return parts
 
 
