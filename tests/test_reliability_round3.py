@@ -105,6 +105,7 @@ def test_console_reports_the_steps_the_stages_run(tmp_path, monkeypatch, capsys)
   from fbos_jax.rl import run
   c = small_config("configs/fbos.py:tiny", **{
       "train.warm_start": "sft", "train.steps": 0, "train.eval_prompts": 0, "sft.steps": 6,
+      "train.compile_at_start": False,  # the console line only: no programs to compile
       "sft.stages": ({"name": "demos", "steps": 2}, {"name": "fixes", "steps": 4})})
   seen = []
   monkeypatch.setattr(sft_lib, "warm_start",
