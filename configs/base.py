@@ -13,15 +13,21 @@ Flavors (``:tiny,decoupled``) are named changes on top, listed per file.
   python launch/train.py --config=configs/fbos.py:qwen_8b --dry_run --topology=v5p:2x4x4
 
 Every field can be overridden, e.g. ``--config.rl.group_size=16``. The
-sections whose defaults the library owns (``data``, ``templates``, the sharding
-rules) are taken from it, so a default has one home; ``fbos_jax/rl/config.py``
-validates a config and turns it into the library's typed parts.
+defaults the library owns are taken from it, so a default has one home: ``data``,
+``templates``, the sharding rules, ``engine``, and the typed parts' sections
+(``rl``, ``optim``, the sampler's ``sampling`` fields, ``model``'s attention
+fields: ``fbos_jax/rl/config.py:section_defaults``, where each field is
+explained). This file sets over them only the run sizes the library has no
+default for and :data:`CHANGED_DEFAULTS` (each with its reason);
+``tests/test_config_defaults.py`` fails on any other difference.
+``fbos_jax/rl/config.py`` validates a config and turns it into the typed parts.
 """
 
 import ml_collections as mlc
 
 from fbos_jax import data as data_lib
 from fbos_jax.engine import types as engine_types
+from fbos_jax.rl import config as config_lib
 from fbos_jax import sharding as sharding_lib
 from fbos_jax import templates as templates_lib
 
@@ -318,7 +324,19 @@ COMMON_FLAVORS = ("decoupled",)
 EQUAL_ROLLOUT_VARIANTS = ("tiny", "tiny_hard", "tiny_chain")
 
 
-def _defaults(variant: str) -> mlc.ConfigDict:
+# The library defaults (the typed parts' dataclasses, fbos_jax/rl/config.py:section_defaults)
+# that the project's configs change, each with its reason; tests/test_config_defaults.py
+# fails on any other difference between configs/base.py and the typed parts.
+CHANGED_DEFAULTS = {
+    # the response budget of the large variants (qwen3_0_6b, qwen_8b, qwen_8b_h100); the
+    # sampler's own default is 256
+    "sampling.max_new_tokens": 512,
+    # round-1 prompt buckets of those variants (the sampler's: 64 ... 4096)
+    "sampling.prompt_buckets": (256, 512, 1024, 2048),
+}
+
+
+def defaults(variant: str) -> mlc.ConfigDict:
   """Every field with its ALGORITHMS.md default (the FBOS-RL knobs off)."""
   v = VARIANTS[variant]
   c = mlc.ConfigDict()
@@ -326,11 +344,9 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.algo = "grpo"  # a label for logs and plots; behaviour comes from the fields below
   c.seed = 0
 
-  c.model = mlc.ConfigDict(dict(v["model"]))
-  # auto: dense for short sequences, Pallas splash on TPU, blocked (flash in XLA) elsewhere
-  c.model.attention = "auto"  # auto | dense | blocked | pallas (fbos_jax/model/attention.py)
-  c.model.attention_block_q = 512  # query / key tiles of blocked and pallas (multiples of 128)
-  c.model.attention_block_kv = 512
+  # the variant's architecture, and the attention fields of fbos_jax/model/qwen.py:ModelConfig
+  # (auto: dense for short sequences, Pallas splash on TPU, blocked elsewhere)
+  c.model = mlc.ConfigDict(dict(config_lib.section_defaults("model"), **v["model"]))
   c.model.hf_path = ""  # a local HF checkpoint dir; empty = random init (tiny) / must set (large)
   c.model.tokenizer_path = ""  # empty = the HF dir, or the char tokenizer built in the workdir
 
@@ -343,18 +359,12 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   c.data = data_lib.default_data_config()
   c.templates = templates_lib.default_template_config()
 
-  c.sampling = mlc.ConfigDict()
-  c.sampling.max_new_tokens = 512
-  c.sampling.temperature = 1.0  # log-probs are of the temperature-scaled policy; > 0
-  c.sampling.top_k = 0  # 0 = off
-  c.sampling.top_p = 1.0  # 1.0 = off
-  c.sampling.batch_buckets = ()  # () = the sampler's default power-of-two row buckets
-  c.sampling.prompt_buckets = (256, 512, 1024, 2048)
+  # the sampler's fields: the defaults of fbos_jax/sampling.py:SamplingConfig
+  c.sampling = mlc.ConfigDict(config_lib.section_defaults("sampling"))
   c.sampling.fap_prompt_buckets = (512, 1024, 2048, 4096)  # round-2 (feedback) prompts
   c.sampling.eval_temperature = 0.0  # greedy held-out evaluation (pass@1)
-  # ids that end a response besides the tokenizer's EOS; () + --init_from_hf = the
-  # checkpoint's generation_config eos ids (Qwen3: <|im_end|>, <|endoftext|>)
-  c.sampling.stop_token_ids = ()
+  # sampling.stop_token_ids: ids that end a response besides the tokenizer's EOS; () +
+  # --init_from_hf = the checkpoint's generation_config eos ids (Qwen3: <|im_end|>, <|endoftext|>)
   # static: one jitted loop per batch, to its longest row | continuous: the engine
   # (fbos_jax/engine: slots, paged KV, decode windows that refill finished slots)
   c.sampling.engine = "static"
@@ -374,95 +384,35 @@ def _defaults(variant: str) -> mlc.ConfigDict:
   # stop the run when every verifier call of this many steps in a row failed (0 = never)
   c.verifier.max_failed_steps = 3
 
-  c.rl = mlc.ConfigDict()
-  c.rl.prompts_per_step = 64
-  c.rl.group_size = 8  # n: round-1 rollouts per prompt
-  c.rl.prompt = "plain"  # plain: sample on q | fcp: on <EF>c+</EF>q (FCP, section 7)
-  c.rl.fcp_positive_feedback = "correct"  # c+ of rl.prompt=fcp
-  # The objective: named terms, each a batch the rollout builds, a loss of the
-  # kernels' registry (fbos_kernels.POLICY_LOSSES) and a weight; weight 0 = off.
+  # rl and optim: the defaults of the typed parts (fbos_jax/rl/config.py: RolloutSpec,
+  # LossConfig, UpdateConfig, AsyncConfig, OptimConfig, where each field is explained)
+  c.rl = mlc.ConfigDict(config_lib.section_defaults("rl"))
+  c.rl.prompts_per_step = 64  # P (no library default: a run size)
+  c.rl.group_size = 8  # n: round-1 rollouts per prompt (no library default)
+  # The objective: named terms, each a batch the rollout builds (fbos_jax/rl/batch_kinds.py),
+  # a loss of the kernels' registry (fbos_kernels.POLICY_LOSSES) and a weight; weight 0 = off.
   #   epa: round-1 rollouts on q (+ feedback-guided ones pulled back, off-policy)
   #   ecc: round-2 rollouts on their FAPs (on-policy)
   #   fcp: round-1 rollouts re-conditioned on their own feedback, <EF>c</EF>q
   # loss: policy_gradient (PPO clip; f(u) on off-policy rows) | decoupled (AReaL,
   # for stale rollouts) | mle (maximum likelihood)
-  c.rl.terms = mlc.ConfigDict({
-      "epa": {"loss": "policy_gradient", "weight": 1.0},
-      "ecc": {"loss": "policy_gradient", "weight": 0.0},
-      "fcp": {"loss": "mle", "weight": 0.0},
-  })
-  c.rl.objective_schedule = "joint"  # joint | alternate (the active terms take turns by step)
-  c.rl.advantage = "grpo"  # grpo | drgrpo | batch_std (section 1)
-  c.rl.adv_eps = 1e-6
-  c.rl.loss_agg = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-  c.rl.eps_low = 0.2
-  c.rl.eps_high = 0.28  # clip-higher (DAPO)
-  c.rl.dual_clip = 0.0  # 0 = off; else c > 1 (e.g. 3.0), applied where A < 0
-  c.rl.kl_beta = 0.0  # >0 keeps a frozen reference model in the train state
-  c.rl.kl_kind = "k3"
-  c.rl.entropy_coef = 0.0
-  c.rl.ppo_epochs = 1
-  c.rl.mini_batches = 1  # optimizer steps per rollout batch per epoch
-  c.rl.micro_batches = 1  # gradient accumulation inside one optimizer step (exact token-mean)
-  # >0: train on real tokens: each batch's sequences packed end to end (segment ids),
-  # micro-batches of this many tokens per batch shard, as many as the tokens need
-  # (fbos_jax/rl/packing.py); >= the longest row; rl.micro_batches must be 1
-  c.rl.micro_batch_tokens = 0
-  c.rl.fixed_row_buckets = False  # True: one update program per run (pad rows to the max)
-  c.rl.skip_nonfinite = True  # skip (and log) a step whose loss/grad is not finite; False = fatal
-  # --- feedback-guided exploration (round 2); off for GRPO/GFPO
-  c.rl.round2 = False
-  c.rl.round2_size = 8  # m: round-2 rollouts per prompt
-  c.rl.fap_from = "failed"  # failed | all: which round-1 rollouts get a FAP
-  c.rl.fap_mode = "single"  # single: FAP(q, o_i, F_i) | aggregated: GOLF's one prompt per q
-  # a prompt's round 2 joins the engine's queue as soon as its round-1 verdicts are
-  # in (decoding beside the rest of round 1; fbos_jax/rl/stream.py); needs
-  # sampling.engine=continuous. The step's rollouts are the same either way.
-  c.rl.stream_rounds = False
-  # --- EPA: feedback-guided rollouts pulled back onto q as off-policy samples
-  c.rl.epa_select = "correct"  # correct | improved | all
-  c.rl.epa_mode = "append"  # append (group grows) | replace (GOLF)
-  c.rl.epa_trigger = "always"  # always | adaptive (only when round-1 mean reward < epa_tau)
-  c.rl.epa_tau = -1.0  # -1 = 1/n
-  c.rl.epa_max_per_prompt = 8  # cap on appended/replaced samples per prompt (static shapes)
-  c.rl.offpolicy_lambda = 0.1  # f(u) = u / (u + lambda)
-  c.rl.offpolicy_ratio_denominator = "one"  # one | behaviour
-  c.rl.ecc_advantage = "group"  # group | improvement (ECC's advantage on the FAPs)
-  # --- GFPO
-  c.rl.gfpo_k = 0  # 0 = off; keep k of G per group
-  c.rl.gfpo_metric = "length"  # length | token_efficiency
-  c.rl.gfpo_adaptive = False  # adaptive-difficulty k (k_map over difficulty buckets)
-  c.rl.gfpo_k_map = (8, 8, 6, 4)  # very hard, hard, medium, easy (for G=16)
-  c.rl.gfpo_history = 256
-  c.rl.behav_weight_cap = 5.0  # AReaL: mask tokens whose pi_prox/pi_behav exceeds this
-  # --- asynchronous RL (AReaL's system; fbos_jax/rl/sources.py, docs/async.md): the rollout
-  # and the trainer overlap, on their own devices (or processes) or colocated; stale
-  # rollouts pair with the decoupled loss (the `decoupled` flavor)
-  c.rl.rollout_devices = 0  # N devices of the rollout mesh, the rest train; 0 = colocated
-  c.rl.max_staleness = 0  # eta: a batch is admitted while floor((N_r - 1) / B) <= i + eta
-  c.rl.buffer_groups = 0  # finished groups the buffer holds; 0 = (eta + 1) x prompts_per_step
-  c.rl.inflight_update = "keep_kv"  # keep_kv (PipelineRL) | recompute (AReaL): a weight
-  #                                   update reaches rows in flight, their KV cache kept or redone
-  c.rl.sync_chunk_mib = 512  # weight sync: the most MiB of params copied at once
-  c.rl.sync_timeout_s = 600.0  # a weight / batch transfer between processes that takes longer fails
-  # the rollout mesh's axes when split (0 = as mesh.*): e.g. tensor=2 gives a 16-chip
-  # rollout of 4 whole hosts (4 chips each) 8 batch shards, 2 per host
-  c.rl.rollout_mesh = mlc.ConfigDict(dict(dcn=0, data=0, fsdp=0, tensor=0))
+  c.rl.terms.epa.weight = 1.0  # GRPO's objective unless an algorithm file says otherwise
+  # asynchronous RL (AReaL's system; fbos_jax/rl/sources.py, docs/async.md): rl.rollout_devices,
+  # rl.max_staleness, ... (AsyncConfig); stale rollouts pair with the decoupled loss (the
+  # `decoupled` flavor). rl.rollout_mesh: the rollout mesh's axes when split (0 = as mesh.*):
+  # e.g. tensor=2 gives a 16-chip rollout of 4 whole hosts (4 chips each) 8 batch shards
 
-  c.optim = mlc.ConfigDict()
-  c.optim.learning_rate = 1e-6
-  c.optim.schedule = "constant"  # constant | cosine
-  c.optim.warmup_steps = 10
-  c.optim.b1 = 0.9
-  c.optim.b2 = 0.999
-  c.optim.weight_decay = 0.01
-  c.optim.grad_clip = 1.0
-  c.optim.opt_state_dtype = "float32"  # Adam's moments (SFT and RL), whatever the params' dtype
+  c.optim = mlc.ConfigDict(config_lib.section_defaults("optim"))
+  c.optim.learning_rate = 1e-6  # no library default: the large variants' rate
   # True: train a master (model.param_dtype) of fewer than float32's bits as is. A
   # bfloat16 master keeps 8 significant bits, so an Adam step of about lr rounds away
   # on every weight above ~256 x lr (at lr 1e-6, ~98% of N(0, 0.02) weights); refused
   # at build unless this is set (update/param_change_frac shows what a step changed)
   c.optim.allow_low_precision_params = False
+
+  # the defaults the project's configs change (CHANGED_DEFAULTS, above)
+  for dotted, value in CHANGED_DEFAULTS.items():
+    set_field(c, dotted, value)
 
   c.train = mlc.ConfigDict()
   c.train.steps = 200
@@ -564,7 +514,7 @@ def get_config_for(arg: str, flavors: tuple = ()) -> tuple[mlc.ConfigDict, tuple
   if bad:
     raise ValueError(f"Unknown config flavor(s) {bad}; this file knows {list(known)} "
                      f"(e.g. :{variant},{known[0]}).")
-  c = _defaults(variant)
+  c = defaults(variant)
   for dotted, value in VARIANTS[variant]["run"].items():
     set_field(c, dotted, value)
   return c, extra

@@ -73,6 +73,11 @@ import ml_collections
 
 FCP_TEMPLATE = "<EF>{feedback}</EF>{prompt}"
 
+# The feedback prompts a PromptBuilder renders (PromptBuilder.longest_tokens' kinds):
+# a FAP, GOLF's aggregated prompt, and FCP's <EF>c</EF>q (the template ``fcp``).
+FCP_KIND = "fcp"
+FEEDBACK_PROMPT_KINDS = ("fap", "aggregated", FCP_KIND)
+
 FAP_TEMPLATES = {
     "compact": "{prompt}{response}|{feedback}|",
     "verbose": (
@@ -159,7 +164,7 @@ def default_template_config() -> ml_collections.ConfigDict:
       "aggregated_attempt": "",  # fields: {index} {score} {response} {feedback}
       "aggregated_footer": "",  # fields: {prompt}
       "aggregated_dedupe": True,  # drop attempts whose response repeats one
-      "fcp": FCP_TEMPLATE,  # fields: {feedback} {prompt}
+      FCP_KIND: FCP_TEMPLATE,  # fields: {feedback} {prompt}
       "max_prompt_tokens": 256,  # budget for every built prompt
       "truncation": "middle",  # "middle" | "left" | "right" | "error"
       "ellipsis": "...",  # marks where a response/feedback was cut
@@ -364,7 +369,7 @@ def template_markers(config: ml_collections.ConfigDict | None = None
            cfg.get("aggregated_header") or agg["header"],
            cfg.get("aggregated_attempt") or agg["attempt"],
            cfg.get("aggregated_footer") or agg["footer"],
-           cfg.get("fcp", FCP_TEMPLATE)]
+           cfg.get(FCP_KIND, FCP_TEMPLATE)]
   tags = [t for x in texts for t in _TAG.findall(x)]
   chosen = cfg.get("markers", "auto")
   if chosen == "auto":
@@ -644,7 +649,7 @@ class PromptBuilder:
         chars += self.SCORE_CHARS
       if "{prompt}" in self.agg_footer:
         chars += prompt_chars
-    elif kind == "fcp":
+    elif kind == FCP_KIND:
       fixed = self.fcp_template.format(prompt="", feedback="")
       chars = prompt_chars + feedback_chars
     else:

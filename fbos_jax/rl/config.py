@@ -25,10 +25,9 @@ import dataclasses
 import math
 from typing import Optional
 
-TERM_BATCHES = ("epa", "ecc", "fcp")
-POLICY_GRADIENT_LOSSES = ("policy_gradient", "decoupled")
-ADVANTAGES = ("grpo", "drgrpo", "batch_std")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+import fbos_kernels as K
+
+from fbos_jax.rl import batch_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +41,16 @@ class Term:
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """The static knobs of every term's token loss (part of the compiled program)."""
+  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
   loss_agg: str = "token-mean"
   norm_len: int = 0  # seq-mean-token-sum-norm's constant; 0 = the response bucket length
   eps_low: float = 0.2
-  eps_high: float = 0.28
-  dual_clip: float = 0.0  # 0 = off
-  offpolicy_lambda: float = 0.1
-  offpolicy_ratio_denominator: str = "one"
-  behav_weight_cap: float = 5.0
-  kl_beta: float = 0.0
+  eps_high: float = 0.28  # clip-higher (DAPO)
+  dual_clip: float = 0.0  # 0 = off; else c > 1 (e.g. 3.0), applied where A < 0
+  offpolicy_lambda: float = 0.1  # f(u) = u / (u + lambda)
+  offpolicy_ratio_denominator: str = "one"  # one | behaviour
+  behav_weight_cap: float = 5.0  # AReaL: mask tokens whose pi_prox/pi_behav exceeds this
+  kl_beta: float = 0.0  # > 0 keeps a frozen reference model in the train state
   kl_kind: str = "k3"
   entropy_coef: float = 0.0
   temperature: float = 1.0  # log-probs are of the temperature-scaled policy
@@ -74,11 +74,11 @@ class UpdateConfig:
   so it computes as many as the real tokens need."""
   terms: tuple  # of Term, weight > 0
   loss: LossConfig = LossConfig()
-  epochs: int = 1
-  mini_batches: int = 1
-  micro_batches: int = 1
-  schedule: str = "joint"  # joint | alternate
-  skip_nonfinite: bool = True
+  epochs: int = 1  # rl.ppo_epochs
+  mini_batches: int = 1  # optimizer steps per rollout batch per epoch
+  micro_batches: int = 1  # gradient accumulation inside one optimizer step (exact token-mean)
+  schedule: str = "joint"  # rl.objective_schedule: joint | alternate (terms take turns by step)
+  skip_nonfinite: bool = True  # skip (and log) a step whose loss/grad is not finite; False = fatal
   micro_batch_tokens: int = 0  # > 0: packed batches, micro-batches by this token budget
   fixed_micro_batches: bool = False  # packed: the most micro-batches, empty ones skipped
 
@@ -107,13 +107,13 @@ class OptimConfig:
   """AdamW with warm-up and a schedule (``fbos_jax/optim.py``); ``total_steps``
   optimizer steps in the run (the schedule's length)."""
   learning_rate: float
-  schedule: str = "constant"
-  warmup_steps: int = 0
+  schedule: str = "constant"  # constant | cosine
+  warmup_steps: int = 10
   b1: float = 0.9
   b2: float = 0.999
-  weight_decay: float = 0.0
-  grad_clip: float = 0.0
-  opt_state_dtype: str = "float32"
+  weight_decay: float = 0.01
+  grad_clip: float = 1.0  # the global gradient norm is clipped to this; 0 = off
+  opt_state_dtype: str = "float32"  # Adam's moments, whatever the params' dtype
   total_steps: int = 1
   # True: update k at the schedule's value at k, so a warmed-up run's update 0 is at
   # lr 0 (optax's count). Only the SFT warm start keeps it: its result is sensitive to
@@ -132,33 +132,45 @@ class RolloutSpec:
   """
   prompts_per_step: int
   group_size: int
-  prompt: str = "plain"  # plain | fcp
-  fcp_positive_feedback: str = "correct"
+  prompt: str = "plain"  # plain: sample on q | fcp: on <EF>c+</EF>q (FCP, section 7)
+  fcp_positive_feedback: str = "correct"  # c+ of rl.prompt=fcp
+  # --- feedback-guided exploration (round 2); off for GRPO/GFPO
   round2: bool = False
-  round2_size: int = 8
-  fap_from: str = "failed"
-  fap_mode: str = "single"
-  epa_select: str = "correct"
-  epa_mode: str = "append"
-  epa_trigger: str = "always"
+  round2_size: int = 8  # m: round-2 rollouts per prompt
+  fap_from: str = "failed"  # failed | all: which round-1 rollouts get a FAP
+  fap_mode: str = "single"  # single: FAP(q, o_i, F_i) | aggregated: GOLF's one prompt per q
+  # --- EPA: feedback-guided rollouts pulled back onto q as off-policy samples
+  epa_select: str = "correct"  # correct | improved | all
+  epa_mode: str = "append"  # append (group grows) | replace (GOLF)
+  epa_trigger: str = "always"  # always | adaptive (only when round-1 mean reward < epa_tau)
   epa_tau: float = -1.0  # -1 = 1/n
-  epa_max_per_prompt: int = 8
-  ecc_advantage: str = "group"
-  advantage: str = "grpo"
+  epa_max_per_prompt: int = 8  # cap on appended/replaced samples per prompt (static shapes)
+  ecc_advantage: str = "group"  # group | improvement (ECC's advantage on the FAPs)
+  advantage: str = "grpo"  # grpo | drgrpo | batch_std (section 1)
   adv_eps: float = 1e-6
-  gfpo_k: int = 0
-  gfpo_metric: str = "length"
-  gfpo_adaptive: bool = False
-  gfpo_k_map: tuple = (8, 8, 6, 4)
+  # --- GFPO
+  gfpo_k: int = 0  # 0 = off; keep k of G per group
+  gfpo_metric: str = "length"  # length | token_efficiency
+  gfpo_adaptive: bool = False  # adaptive-difficulty k (k_map over difficulty buckets)
+  gfpo_k_map: tuple = (8, 8, 6, 4)  # very hard, hard, medium, easy (for G=16)
   gfpo_history: int = 256
-  fixed_row_buckets: bool = False
-  stream_rounds: bool = False  # round 2 streamed in beside round 1 (the continuous engine)
+  fixed_row_buckets: bool = False  # True: one update program per run (pad rows to the max)
+  # a prompt's round 2 joins the engine's queue as soon as its round-1 verdicts are in
+  # (decoding beside the rest of round 1; fbos_jax/rl/stream.py); needs
+  # sampling.engine=continuous. The step's rollouts are the same either way.
+  stream_rounds: bool = False
   success_threshold: float = 1.0
   terms: tuple = ()  # the update's terms (which batches the rollout builds)
 
   @property
   def gfpo(self) -> bool:
     return bool(self.gfpo_k or self.gfpo_adaptive)
+
+  @property
+  def conditional(self) -> bool:
+    """Whether round 1 and the eval sample under <EF>c+</EF>q (``rl.prompt=fcp``:
+    the prompt mode of FCP, not its batch)."""
+    return self.prompt == "fcp"
 
   @property
   def tau(self) -> float:
@@ -244,6 +256,90 @@ class RunParts:
   asynchronous: AsyncConfig = AsyncConfig()
 
 
+# ----------------------------------------------------------------------------- defaults
+#
+# The typed parts' dataclasses are the one home of the library's defaults: the
+# sections of ``configs/base.py`` that they own (``rl``, ``optim``, ``sampling``'s
+# sampler fields, ``model``'s attention fields) are built from them
+# (:func:`section_defaults`), and ``configs/base.py`` sets over them only what
+# the project's configs change, each change a commented line of its
+# ``CHANGED_DEFAULTS`` (``tests/test_config_defaults.py`` fails on any other
+# difference).
+
+# A part's field under another name (or unit) in the config: {part field: rl field}.
+# build_parts reads rl.<the config's name>; the defaults come out under it.
+RL_NAMES = {"epochs": "ppo_epochs", "schedule": "objective_schedule",
+            "fixed_micro_batches": "fixed_row_buckets",
+            "sync_chunk_bytes": "sync_chunk_mib"}  # MiB in the config, bytes in AsyncConfig
+MIB = 2 ** 20
+# The fields of the typed parts that are not config fields: set by build_parts from
+# elsewhere (the tokenizer, sampling.temperature, verifier.success_threshold,
+# train.steps, rl.terms) or library knobs no config sets.
+NOT_CONFIG_FIELDS = {
+    "LossConfig": ("norm_len", "temperature", "time_chunk", "vocab_chunk", "vocab_limit"),
+    "UpdateConfig": ("terms", "loss"),
+    "RolloutSpec": ("success_threshold", "terms"),
+    "OptimConfig": ("total_steps", "warmup_from_zero"),
+    "SamplingConfig": ("greedy", "truncate", "pad_id", "layer_loop", "cache_dtype",
+                       "decode_phases", "vocab_limit"),
+}
+
+
+def defaults_of(cls, renames: Optional[dict] = None, *, only=None) -> dict:
+  """{config field: default} of dataclass ``cls``'s fields that have a default
+  and are config fields (not in :data:`NOT_CONFIG_FIELDS`; ``only``: just these),
+  named as the config names them (``renames``: {part field: config field})."""
+  renames, skip = renames or {}, NOT_CONFIG_FIELDS.get(cls.__name__, ())
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.name in skip or (only is not None and f.name not in only):
+      continue
+    if f.default is not dataclasses.MISSING:
+      out[renames.get(f.name, f.name)] = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      out[renames.get(f.name, f.name)] = f.default_factory()
+  return out
+
+
+def _merged(*dicts) -> dict:
+  """One section from several parts' defaults; a field two parts share must agree."""
+  out = {}
+  for d in dicts:
+    for k, v in d.items():
+      if k in out and out[k] != v:
+        raise ValueError(f"two typed parts disagree on the default of {k}: {out[k]!r} vs {v!r}")
+      out[k] = v
+  return out
+
+
+def section_defaults(section: str) -> dict:
+  """The library's defaults of config section ``section``, in the config's names
+  and units: ``rl`` (:class:`RolloutSpec`, :class:`LossConfig`,
+  :class:`UpdateConfig`, :class:`AsyncConfig`; ``rl.terms`` from the batch kinds,
+  every weight 0), ``optim`` (:class:`OptimConfig`; ``learning_rate`` has no
+  default), ``sampling`` (the sampler's fields of
+  :class:`fbos_jax.sampling.SamplingConfig`) and ``model`` (the attention fields
+  of :class:`fbos_jax.model.qwen.ModelConfig`: the architecture is a variant's)."""
+  if section == "rl":
+    from fbos_jax import sharding as sh
+    asy = defaults_of(AsyncConfig, RL_NAMES)
+    asy["sync_chunk_mib"] //= MIB
+    asy["rollout_mesh"] = {axis: dict(asy["rollout_mesh"]).get(axis, 0) for axis in sh.MESH_AXES}
+    terms = {k.name: {"loss": k.loss, "weight": 0.0} for k in batch_kinds.KINDS.values()}
+    return _merged(defaults_of(RolloutSpec, RL_NAMES), defaults_of(LossConfig, RL_NAMES),
+                   defaults_of(UpdateConfig, RL_NAMES), asy, {"terms": terms})
+  if section == "optim":
+    return defaults_of(OptimConfig)
+  if section == "sampling":
+    from fbos_jax import sampling as sampling_lib
+    return defaults_of(sampling_lib.SamplingConfig)
+  if section == "model":
+    from fbos_jax.model import qwen
+    return defaults_of(qwen.ModelConfig,
+                       only=("attention", "attention_block_q", "attention_block_kv"))
+  raise ValueError(f"no typed part owns config section {section!r}")
+
+
 class _Reads:
   """A config section that records which fields were read (unread ones are unknown)."""
 
@@ -263,7 +359,7 @@ class _Reads:
 def terms_of(config) -> tuple:
   """The active terms (weight > 0) of ``config.rl.terms``, in a fixed order."""
   out = []
-  for name in TERM_BATCHES:
+  for name in batch_kinds.NAMES:
     t = config.rl.terms.get(name)
     if t is not None and float(t.weight) > 0:
       out.append(Term(name, str(t.loss), float(t.weight)))
@@ -401,7 +497,8 @@ def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
          + [f"rl.{k}" for k in rl.unknown(also_known=("terms",))])
   if bad:
     raise ValueError(f"unknown config field(s) {', '.join(bad)}: nothing reads them (a typo?); "
-                     "the fields and their defaults are in configs/base.py")
+                     "the fields are in configs/base.py, their defaults in the typed parts it is "
+                     "built from (fbos_jax/rl/config.py)")
   return parts
 
 
@@ -472,16 +569,16 @@ def _validate_rl(config, errs):
     errs.append("rl.terms: every term has weight 0, so RL would train nothing; set e.g. "
                 "--config.rl.terms.epa.weight=1")
   for name, t in rl.terms.items():
-    if name not in TERM_BATCHES:
-      errs.append(f"rl.terms.{name}: unknown term; the rollout builds {' | '.join(TERM_BATCHES)}")
-    import fbos_kernels as K
+    if name not in batch_kinds.NAMES:
+      errs.append(f"rl.terms.{name}: unknown term; the rollout builds "
+                  f"{' | '.join(batch_kinds.NAMES)}")
     if t.loss not in K.POLICY_LOSSES:
       errs.append(f"rl.terms.{name}.loss={t.loss!r}: expected one of "
                   f"{' | '.join(sorted(K.POLICY_LOSSES))}")
     if not (isinstance(t.weight, (int, float)) and math.isfinite(t.weight) and t.weight >= 0):
       errs.append(f"rl.terms.{name}.weight={t.weight!r}: must be >= 0 (0 = off)")
   names = {t.batch for t in terms}
-  pg = any(t.loss in POLICY_GRADIENT_LOSSES for t in terms)
+  pg = any(t.loss in K.ADVANTAGE_LOSSES for t in terms)
   if pg and rl.group_size < 2:
     errs.append(f"rl.group_size={rl.group_size}: group-normalised advantages need >= 2 "
                 "rollouts per prompt (set --config.rl.group_size=8)")
@@ -493,35 +590,37 @@ def _validate_rl(config, errs):
   if rl.round2 and config.data.verifier in ("", "none"):
     errs.append(f"rl.round2=True (fap_mode={rl.fap_mode!r}) needs verifier feedback, but "
                 f"data.verifier={config.data.verifier!r}")
-  if "ecc" in names and not rl.round2:
-    errs.append(f"rl.terms.ecc.weight={rl.terms.ecc.weight} > 0 trains on FAPs, which needs "
-                "rl.round2=True")
-  if rl.round2 and not names & {"epa", "ecc"}:
-    errs.append("rl.round2=True samples feedback-guided rollouts, but neither rl.terms.epa nor "
-                "rl.terms.ecc uses them (both weights are 0)")
+  for name in sorted(names):
+    if batch_kinds.kind(name).needs_round2 and not rl.round2:
+      errs.append(f"rl.terms.{name}.weight={rl.terms[name].weight} > 0 trains on round-2 "
+                  "rollouts (on their FAPs), which needs rl.round2=True")
+  users = [k.name for k in batch_kinds.KINDS.values() if k.uses_round2]
+  if rl.round2 and not names & set(users):
+    errs.append(f"rl.round2=True samples feedback-guided rollouts, but none of "
+                f"{', '.join('rl.terms.' + n for n in users)} uses them (their weights are 0)")
   _validate_rl_values(config, errs)
 
 
-# the rl fields that take one of a few names (the terms' losses: fbos_kernels.POLICY_LOSSES)
+# the rl fields that take one of a few names; the kernels' own are read from their
+# registries (the terms' losses: fbos_kernels.POLICY_LOSSES)
 RL_CHOICES = {
-    "prompt": ("plain", "fcp"), "advantage": ADVANTAGES, "loss_agg": AGG_MODES,
-    "offpolicy_ratio_denominator": ("one", "behaviour"),
+    "prompt": ("plain", "fcp"), "advantage": tuple(K.ADVANTAGE_ESTIMATORS),
+    "loss_agg": tuple(K.AGGREGATION_MODES), "offpolicy_ratio_denominator": K.RATIO_DENOMINATORS,
     "objective_schedule": ("joint", "alternate"), "fap_from": ("failed", "all"),
     "fap_mode": ("single", "aggregated"), "epa_select": ("correct", "improved", "all"),
     "epa_mode": ("append", "replace"), "epa_trigger": ("always", "adaptive"),
-    "ecc_advantage": ("group", "improvement"), "gfpo_metric": ("length", "token_efficiency"),
-    "kl_kind": ("k1", "k2", "k3"), "inflight_update": INFLIGHT_UPDATES,
+    "ecc_advantage": ("group", "improvement"), "gfpo_metric": tuple(K.GFPO_METRICS),
+    "kl_kind": K.KL_ESTIMATORS, "inflight_update": INFLIGHT_UPDATES,
 }
 
 
 def choice_fields() -> dict:
   """Every field of ``sampling``, ``engine`` and ``rl`` that takes one of a few
   names, dotted -> the names (what validation accepts; ``tests`` enumerate them)."""
-  import fbos_kernels as K
   from fbos_jax.engine import types as engine_types
   out = {"sampling.engine": ENGINES, "engine.attention": engine_types.ATTENTION}
   out.update({f"rl.{k}": v for k, v in RL_CHOICES.items()})
-  out.update({f"rl.terms.{t}.loss": tuple(sorted(K.POLICY_LOSSES)) for t in TERM_BATCHES})
+  out.update({f"rl.terms.{t}.loss": tuple(sorted(K.POLICY_LOSSES)) for t in batch_kinds.NAMES})
   return out
 
 
@@ -559,9 +658,8 @@ def longest_row(config) -> tuple:
   """(tokens, what) of the longest row any batch of the update can have: the
   largest prompt bucket a term (or the SFT warm start) trains on plus
   ``sampling.max_new_tokens``."""
-  s, names = config.sampling, {t.batch for t in terms_of(config)}
-  fields = (["sampling.prompt_buckets"] if "epa" in names else []) + (
-      ["sampling.fap_prompt_buckets"] if names & {"ecc", "fcp"} else [])
+  s = config.sampling
+  fields = [batch_kinds.kind(t.batch).prompt_field for t in terms_of(config)]
   if config.train.warm_start == "sft":  # demonstrations and corrections: both kinds of bucket
     fields = ["sampling.prompt_buckets", "sampling.fap_prompt_buckets"]
   fields = fields or ["sampling.prompt_buckets"]

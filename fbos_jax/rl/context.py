@@ -148,7 +148,7 @@ class RolloutContext:
     and the fields that decide it."""
     return self.checked_prompt_ids(
         example, max(self.parts.sampling.round1.prompt_buckets),
-        conditional=self.spec.prompt == "fcp", positive_feedback=self.spec.fcp_positive_feedback)
+        conditional=self.spec.conditional, positive_feedback=self.spec.fcp_positive_feedback)
 
   def checked_prompt_ids(self, example, longest: int, *, conditional: bool = False,
                          positive_feedback: str = "correct", who: str = "",

@@ -13,6 +13,7 @@ from typing import Optional
 from absl import logging
 
 from fbos_jax import templates
+from fbos_jax.rl import batch_kinds
 
 
 
@@ -27,9 +28,9 @@ def longest_token_chars(tokenizer) -> int:
 
 def longest_fap_tokens(config, parts, tokenizer, *, chars_per_token: Optional[int] = None
                        ) -> Optional[dict]:
-  """The longest prompt of each kind ("fap", "aggregated" with one attempt,
-  "fcp") the config's task can produce, in tokens, or None when the task is not
-  procedural (its feedback has no known bound).
+  """The longest prompt of each kind (``templates.FEEDBACK_PROMPT_KINDS``: fap,
+  aggregated with one attempt, fcp) the config's task can produce, in tokens,
+  or None when the task is not procedural (its feedback has no known bound).
 
   It is the template's own tokens plus one per character of (see
   ``templates.PromptBuilder.longest_tokens``):
@@ -64,7 +65,7 @@ def longest_fap_tokens(config, parts, tokenizer, *, chars_per_token: Optional[in
   out = {kind: builder.longest_tokens(kind, prompt_chars=prompt_chars,
                                       response_chars=response_chars,
                                       feedback_chars=feedback_chars)
-         for kind in ("fap", "aggregated", "fcp")}
+         for kind in templates.FEEDBACK_PROMPT_KINDS}
   out.update(prompt_chars=prompt_chars, response_chars=response_chars,
              feedback_chars=feedback_chars)
   return out
@@ -80,10 +81,12 @@ def built_prompt_kinds(config, parts) -> tuple:
   if (config.train.warm_start == "sft" and sft is not None and not sft.conditional
       and float(sft.fap_fraction) > 0 and "fap" not in kinds):
     kinds.append("fap")
-  if (rl.prompt == "fcp" or "fcp" in rl.batch_names
-      or (sft is not None and config.train.warm_start == "sft" and sft.conditional)):
-    kinds.append("fcp")
-  return tuple(kinds)
+  # a term's batch whose builder renders a template of its own (FCP's <EF>c</EF>q)
+  kinds += [batch_kinds.kind(name).template for name in rl.batch_names
+            if batch_kinds.kind(name).template]
+  if rl.conditional or (sft is not None and config.train.warm_start == "sft" and sft.conditional):
+    kinds.append(templates.FCP_KIND)  # round 1 under <EF>c+</EF>q, or the SFT stage on it
+  return tuple(dict.fromkeys(kinds))
 
 
 def check_fap_budget(config, parts, tokenizer) -> Optional[dict]:

@@ -1,7 +1,7 @@
 """The loss as a tuple of named terms: L = sum_i w_i * (L_i + kl_beta * KL_i - c_H * H_i).
 
 A term (:class:`fbos_jax.rl.config.Term`) names a batch the rollout built
-(``epa``, ``ecc``, ``fcp``; SFT: ``demos``, ``corrections``), a token loss of
+(a kind of :mod:`fbos_jax.rl.batch_kinds`; SFT: ``demos``, ``corrections``), a token loss of
 the kernels' registry (``fbos_kernels.get_policy_loss``: ``policy_gradient``,
 ``decoupled``, ``mle``, ...) and a weight. Each term keeps its own
 (sum, denominator) pair: denominators depend only on the masks, so they are
@@ -33,10 +33,12 @@ import jax.numpy as jnp
 
 import fbos_kernels as K
 from fbos_jax.model import qwen
+from fbos_jax.rl import batch_kinds
 from fbos_jax.rl.batch import PolicyBatch
 from fbos_jax.rl.config import LossConfig, UpdateConfig
 
-ROUND1_BATCH = "epa"  # the batch whose on-policy rows are the round-1 rollouts on q
+# the batch whose on-policy rows are the round-1 rollouts on q (EPA's)
+ROUND1_BATCH = batch_kinds.round1_batch()
 
 
 @flax.struct.dataclass

@@ -8,9 +8,8 @@ and which batches the terms of the objective need::
                 verified as it stops, fbos_jax/rl/stream.py) or streamed into
                 one engine run (``rl.stream_rounds``)
     gfpo_select GFPO: which round-1 rollouts of each group the update keeps
-    BATCHES     "epa":  round-1 rows on q + selected round-2 rows re-scored on q
-                "ecc":  round-2 rows on their FAPs
-                "fcp":  round-1 rows on <EF>c</EF>q, c their own feedback
+    batches     one per term, by its kind's builder (fbos_jax/rl/batch_kinds.py:
+                EPA's rows on q, ECC's on their FAPs, FCP's on <EF>c</EF>q)
 
 Each batch builder takes ``(ctx, examples, r1, r2)`` and returns a
 :class:`RowSet` and its metrics. The host does text (prompts, decoding,
@@ -29,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -39,6 +38,7 @@ from fbos_jax import buckets
 from fbos_jax import distributed
 from fbos_jax import sharding as sh
 from fbos_jax.rl import assemble
+from fbos_jax.rl import batch_kinds
 from fbos_jax.rl import shapes
 from fbos_jax.rl import stream
 from fbos_jax.rl.batch import make_policy_batch
@@ -51,7 +51,7 @@ from fbos_jax.rl.rounds import Rollouts, round1, round2, round2_metrics, round1_
 class RowSet:
   """Rows of one batch before padding (k rows, response length R); its name in
   the shape model (``shapes.batch_rows`` / ``shapes.batch_prompt_buckets``)."""
-  name: str  # epa | ecc | fcp
+  name: str  # a batch kind's name (fbos_jax/rl/batch_kinds.py)
   prompts: list  # k token-id lists
   tokens: np.ndarray  # [k, R]
   mask: np.ndarray  # [k, R]
@@ -161,7 +161,7 @@ def epa_rows(ctx: RolloutContext, examples: list, r1: Rollouts, r2: Optional[Rol
   off = _rows(r2, _flat_r2(r2)[3][mem[~onp]]) if (~onp).any() else tuple(x[:0] for x in on)
   tokens, mask, logp, versions = (np.concatenate([a, b]) for a, b in zip(on, off))
   loss_mask = np.concatenate([on_loss, off[1]]).astype(np.float32)
-  rows = RowSet("epa", [q[p] for p in vp[order]], tokens, mask, logp, versions,
+  rows = RowSet(batch_kinds.EPA.name, [q[p] for p in vp[order]], tokens, mask, logp, versions,
                 adv[vp, vg][order], ~onp[order], loss_mask)
   return rows, {"epa/injected": groups.injected}
 
@@ -177,8 +177,8 @@ def ecc_rows(ctx: RolloutContext, examples: list, r1: Rollouts, r2: Optional[Rol
   m = spec.round2_size
   tokens, mask, logp, versions = _rows(r2 if r2 is not None else r1, r2_flat)
   contexts = [r2.contexts[j // m][j % m] for j in r2_flat]
-  rows = RowSet("ecc", contexts, tokens, mask, logp, versions, a2, np.zeros(len(a2), bool),
-                mask.astype(np.float32))
+  rows = RowSet(batch_kinds.ECC.name, contexts, tokens, mask, logp, versions, a2,
+                np.zeros(len(a2), bool), mask.astype(np.float32))
   return rows, {}
 
 
@@ -193,12 +193,10 @@ def fcp_rows(ctx: RolloutContext, examples: list, r1: Rollouts, r2: Optional[Rol
     c = ctx.spec.fcp_positive_feedback if rew >= ctx.threshold else fb
     contexts.append(ctx.prompts.fcp(ex["prompt"], c).token_ids)
   tokens, mask, logp, versions = _rows(r1, flat)
-  rows = RowSet("fcp", contexts, tokens, mask, logp, versions, np.ones(len(flat), np.float32),
-                np.zeros(len(flat), bool), mask.astype(np.float32))
+  rows = RowSet(batch_kinds.FCP.name, contexts, tokens, mask, logp, versions,
+                np.ones(len(flat), np.float32), np.zeros(len(flat), bool),
+                mask.astype(np.float32))
   return rows, {}
-
-
-BATCHES: dict[str, Callable] = {"epa": epa_rows, "ecc": ecc_rows, "fcp": fcp_rows}
 
 
 def pad_batches(ctx: RolloutContext, rowsets: dict) -> tuple[dict, dict]:
@@ -283,7 +281,7 @@ def trajectory(ctx: RolloutContext, examples: list, r1: Rollouts, r2: Optional[R
   gen_tokens = int(r1.mask.sum()) + (int(r2.mask.sum()) if r2 is not None else 0)
   rowsets = {}
   for name in spec.batch_names:
-    rowsets[name], bm = BATCHES[name](ctx, examples, r1, r2)
+    rowsets[name], bm = batch_kinds.kind(name).build(ctx, examples, r1, r2)
     m.update(bm)
   batches, versions = pad_batches(ctx, rowsets)
   m.update(_verifier_totals(m))

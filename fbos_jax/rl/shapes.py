@@ -5,13 +5,9 @@ The rollout pads its batches with these functions (:func:`padded_rows`,
 compiles the programs at :func:`step_shapes`, the largest shapes a config can
 produce; neither keeps a second model of the other's shapes.
 
-Per batch of the objective (a term's ``batch``), from the rollout spec
-(P prompts per step, n round-1 rollouts per prompt, m round-2 rollouts per
-prompt, a appended EPA rows per prompt)::
-
-    epa  P * (n + a) rows   prompts q         sampling.prompt_buckets
-    ecc  P * m rows         FAPs              sampling.fap_prompt_buckets
-    fcp  P * n rows         <EF>c</EF>q       sampling.fap_prompt_buckets
+Per batch of the objective (a term's ``batch``): its rows per prompt, prompt
+buckets and what its prompts hold, read from its kind's row of the table
+(:mod:`fbos_jax.rl.batch_kinds`) under the rollout spec.
 
 Packed update batches (``rl.micro_batch_tokens``, :func:`packed_update_shapes`):
 each batch's sequences in rows of its padded row length, micro-batches of the
@@ -33,10 +29,8 @@ from __future__ import annotations
 import dataclasses
 
 from fbos_jax import buckets
+from fbos_jax.rl import batch_kinds
 from fbos_jax.rl.config import RunParts
-
-PROMPT_FIELDS = {"epa": "sampling.prompt_buckets", "ecc": "sampling.fap_prompt_buckets",
-                 "fcp": "sampling.fap_prompt_buckets"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,18 +123,13 @@ def batch_rows(parts: RunParts, name: str, prompts: int = 0) -> int:
   """The most rows batch ``name`` can have in a step of ``prompts`` prompts
   (default ``rl.prompts_per_step``)."""
   spec = parts.rollout
-  p = prompts or spec.prompts_per_step
-  per_prompt = {"epa": spec.group_size + spec.epa_extra, "ecc": spec.round2_size,
-                "fcp": spec.group_size}
-  if name not in per_prompt:
-    raise ValueError(f"unknown batch {name!r}; the rollout builds {sorted(per_prompt)}")
-  return p * per_prompt[name]
+  return (prompts or spec.prompts_per_step) * batch_kinds.kind(name).rows_per_prompt(spec)
 
 
 def batch_prompt_buckets(parts: RunParts, name: str) -> tuple:
   """(prompt buckets, their config field) of batch ``name``."""
-  sampling = parts.sampling.round1 if name == "epa" else parts.sampling.round2
-  return tuple(sampling.prompt_buckets), PROMPT_FIELDS[name]
+  kind = batch_kinds.kind(name)
+  return kind.prompt_buckets(parts.sampling), kind.prompt_field
 
 
 def row_multiple(parts: RunParts, batch_shards: int) -> int:
@@ -183,16 +172,18 @@ def micro_batch_budget(parts: RunParts, batch_shards: int) -> int:
 def sequence_lengths(parts: RunParts, name: str, rows: int, lengths, seed: int = 0):
   """[rows] modelled lengths (prompt + response, int) of batch ``name``'s
   sequences, the responses drawn from ``lengths`` (a
-  :class:`fbos_jax.planning.hardware.ResponseLengths`): the prompts q of ``epa`` at their
-  largest bucket; a FAP of ``ecc`` holds q, a failed attempt and its feedback,
-  so its largest bucket less the room of a whole response plus an attempt drawn
-  from ``lengths``; ``fcp``'s <EF>c</EF>q its largest bucket less a response's room."""
+  :class:`fbos_jax.planning.hardware.ResponseLengths`), the prompts by what they hold (the
+  kind's ``context``): q at their largest bucket; a FAP holds q, a failed attempt
+  and its feedback, so its largest bucket less the room of a whole response plus
+  an attempt drawn from ``lengths``; <EF>c</EF>q its largest bucket less a
+  response's room."""
   import numpy as np
   r = parts.sampling.round1.max_new_tokens
   top = max(batch_prompt_buckets(parts, name)[0])
-  if name == "ecc":
+  context = batch_kinds.kind(name).context
+  if context == "fap":
     prompt = np.clip(top - r + lengths.sample(rows, r, (seed, 1)), 1, top)
-  elif name == "fcp":
+  elif context == "feedback":
     prompt = max(top - r, 1)
   else:
     prompt = top

@@ -17,6 +17,7 @@ import optax
 
 from fbos_jax.model import qwen
 from fbos_jax.rl import batch as batch_lib
+from fbos_jax.rl import batch_kinds
 from fbos_jax.rl import config as C
 from fbos_jax.rl import update as U
 from fbos_jax.rl.state import TrainState
@@ -24,6 +25,7 @@ from fbos_jax.rl.state import TrainState
 CFG = qwen.ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=8)
 P_LEN, R_LEN = 5, 6
+EPA, ECC = batch_kinds.EPA.name, batch_kinds.ECC.name
 
 
 def params(seed=0):
@@ -54,8 +56,8 @@ def empty(rows):
 
 def ucfg(w=(1.0, 1.0), lc=C.LossConfig(), **kw) -> C.UpdateConfig:
   """An EPA and an ECC term, both policy_gradient, with weights ``w``."""
-  return C.UpdateConfig(terms=(C.Term("epa", "policy_gradient", w[0]),
-                               C.Term("ecc", "policy_gradient", w[1])), loss=lc, **kw)
+  return C.UpdateConfig(terms=(C.Term(EPA, "policy_gradient", w[0]),
+                               C.Term(ECC, "policy_gradient", w[1])), loss=lc, **kw)
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,7 +74,7 @@ def _jitted(opt_key: tuple, u: C.UpdateConfig):
 def step(opt_key=("adamw", 1e-2), w=(1.0, 1.0), lc=C.LossConfig(), **kw):
   """The jitted update with an EPA and an ECC term: (state, epa, ecc) -> (state, metrics)."""
   fn = _jitted(tuple(opt_key), ucfg(tuple(w), lc, **kw))
-  return lambda state, epa, ecc: fn(state, {"epa": epa, "ecc": ecc})
+  return lambda state, epa, ecc: fn(state, {EPA: epa, ECC: ecc})
 
 
 def state(p, opt_key=("adamw", 1e-2)):
@@ -89,7 +91,7 @@ def _grad_fn(lc: C.LossConfig):
 
   @jax.jit
   def g(p, epa, ecc, w):
-    batches = {"epa": epa, "ecc": ecc}
+    batches = {EPA: epa, ECC: ecc}
     denoms = {k: O.denominators(b, lc) for k, b in batches.items()}
 
     def loss(p):

@@ -42,8 +42,11 @@ from .logprobs import (
     vocab_parallel_logprobs_and_entropy,
 )
 from .losses import (
+    ADVANTAGE_LOSSES,
+    KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
     POLICY_LOSSES,
+    RATIO_DENOMINATORS,
     decoupled_ppo_loss,
     entropy_from_logits,
     get_policy_loss,
@@ -67,6 +70,7 @@ __all__ = [
     # losses
     "ppo_clip_loss", "offpolicy_loss", "reshaped_ratio", "policy_loss", "decoupled_ppo_loss", "mle_loss", "kl_penalty",
     "entropy_from_logits", "POLICY_LOSSES", "get_policy_loss", "LOG_RATIO_CLAMP",
+    "ADVANTAGE_LOSSES", "KL_ESTIMATORS", "RATIO_DENOMINATORS",
     # aggregation
     "aggregate", "aggregate_loss", "safe_divide", "masked_mean", "masked_sum", "AGGREGATION_MODES",
     # logprobs

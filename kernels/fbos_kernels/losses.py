@@ -93,12 +93,18 @@ __all__ = [
     "kl_penalty",
     "entropy_from_logits",
     "POLICY_LOSSES",
+    "ADVANTAGE_LOSSES",
+    "KL_ESTIMATORS",
+    "RATIO_DENOMINATORS",
     "get_policy_loss",
 ]
 
 LOG_RATIO_CLAMP = 20.0
-_DENOMINATORS = ("one", "behaviour")
-_KL_KINDS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
+# f(u)'s ratio denominators (offpolicy_loss's ``denominator``)
+RATIO_DENOMINATORS = ("one", "behaviour")
+# kl_penalty's estimators; each also answers to an alias (k1 = kl, k2 = mse, k3 = low_var_kl)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+_KL_KINDS = KL_ESTIMATORS + ("kl", "mse", "low_var_kl")
 
 
 # --------------------------------------------------------------------------
@@ -256,7 +262,7 @@ def offpolicy_loss(logp, adv, *, lam: float = 0.1, behaviour_logp=None, denomina
     ``loss [B, T]`` float32. Gradient: ``-A lam u/(u+lam)^2 * grad log pi``.
   """
   check_range("lam", lam, gt=0)
-  check_choice("denominator", denominator, _DENOMINATORS)
+  check_choice("denominator", denominator, RATIO_DENOMINATORS)
   logp = as_float(logp)
   a = _full_adv(adv, logp)
   m = _token_mask(mask, logp)
@@ -293,7 +299,7 @@ def policy_loss(logp, old_logp, adv, is_offpolicy=None, *, eps_low: float = 0.2,
     ``(loss [B, T], clipped [B, T] bool)``; ``clipped`` is False on off-policy rows.
   """
   check_range("lam", lam, gt=0)
-  check_choice("denominator", denominator, _DENOMINATORS)
+  check_choice("denominator", denominator, RATIO_DENOMINATORS)
   on_loss, on_clipped = ppo_clip_loss(logp, old_logp, adv, eps_low=eps_low, eps_high=eps_high,
                                       dual_clip=dual_clip, mask=mask)
   if is_offpolicy is None:
@@ -431,7 +437,7 @@ def _hparams(name, given):
   h = {**_REGISTRY_HPARAMS, **given}
   _check_clip(h["eps_low"], h["eps_high"], h["dual_clip"])
   check_range("lam", h["lam"], gt=0)
-  check_choice("denominator", h["denominator"], _DENOMINATORS)
+  check_choice("denominator", h["denominator"], RATIO_DENOMINATORS)
   _check_cap(h["behav_weight_cap"])
   return h
 
@@ -514,6 +520,10 @@ POLICY_LOSSES: Dict[str, Callable] = {
     "offpolicy": _offpolicy_entry,
     "mle": _mle_entry,
 }
+
+# The entries that weight tokens by advantages (every one but mle): with one sample per
+# group, group-normalised advantages are all 0 and such a loss trains nothing.
+ADVANTAGE_LOSSES = tuple(name for name in POLICY_LOSSES if name != "mle")
 
 
 def get_policy_loss(name: str) -> Callable:
