@@ -23,6 +23,7 @@ import os
 import numpy as np
 
 from fbos_jax.experiments import compare_file
+from fbos_jax.rl import batch_kinds
 from fbos_jax.rl import evaluation
 
 GREEDY, SAMPLED = compare_file.GREEDY, compare_file.SAMPLED
@@ -55,11 +56,12 @@ def run_quantities(rows: list, ref_final_sampled: float) -> dict:
 # What the update did, beside the claims (issue 33, item 4): {metric key: label}.
 MECHANISM = {"feedback/fix_rate_r1succ_0": "fix rate, all-fail groups",
              "feedback/fix_rate": "fix rate, failed rollouts",
-             "epa/injected": "EPA rows pulled back onto q, a step",
-             "grad_norm/epa": "EPA gradient norm", "grad_norm/ecc": "ECC gradient norm"}
+             f"{batch_kinds.EPA.name}/injected": "EPA rows pulled back onto q, a step",
+             f"grad_norm/{batch_kinds.EPA.name}": "EPA gradient norm",
+             f"grad_norm/{batch_kinds.ECC.name}": "ECC gradient norm"}
 
 
-def term_cosine(rows: list, a: str = "epa", b: str = "ecc") -> float:
+def term_cosine(rows: list, a: str = batch_kinds.EPA.name, b: str = batch_kinds.ECC.name) -> float:
   """The mean cosine between terms ``a``'s and ``b``'s weighted gradients, from the
   norms the update logs (``grad_norm/<term>`` of each contribution, ``policy/grad_norm``
   of their sum: |g|^2 = |g_a|^2 + |g_b|^2 + 2 g_a.g_b), over the steps where exactly
