@@ -2,19 +2,9 @@ r"""The pre-registered verdict of a comparison (``docs/results/verdict_rule.md``
 
   python launch/verdict.py --compare=/tmp/verdict/compare.json --out=docs/results
 
-Reads ``compare.json`` (written by ``launch/compare.py``) and writes
-``verdict.json`` (per arm and seed: final held-out greedy and sampled accuracy,
-generated rollouts, the rollouts at the first eval where the run's sampled
-accuracy reached the reference's final sampled accuracy of the same seed, the
-mean on-policy entropy and gradient norm; then each claim per arm, called by the
-rule), ``verdict.md`` (the same as tables) and ``verdict.png`` (held-out
-accuracy against generated rollouts, mean over seeds with the seeds' range).
-
-The rule, for a quantity x of an arm against the reference (GRPO): the paired
-difference d = mean_s(x_arm - x_ref) over the seeds, its noise band 2 x SE with
-SE = sd_s(x_arm - x_ref) / sqrt(#seeds); a claim is called only outside the band.
-A comparison still running (``partial`` in compare.json) gives a verdict marked
-PARTIAL over the seeds that every arm has finished.
+Reads ``compare.json`` (written by ``launch/compare.py``) and writes ``verdict.json``,
+``verdict.md`` and ``verdict.png`` to ``--out``. The rule and what it reports:
+``fbos_jax/experiments/verdict.py``.
 """
 from fbos_jax import cli  # noqa: F401  (quiet libtpu; before jax)
 
