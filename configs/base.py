@@ -131,7 +131,7 @@ _TINY_CHAIN_RUN = {
     # the compact wording: the results as they should start, up to the first wrong
     # one ("12,47,__,__"), the slots in the places of the results they speak of
     "data.verifier": "fbos_jax.verifiers.procedural:CompactProceduralVerifier",
-    "data.feedback_may_reveal_answer": False,  # refuse at start a feedback that names it
+    "data.require_hidden_answer": True,  # refuse at start a feedback that names it
     "sampling.max_new_tokens": 12,  # 4 results of 2 digits, 3 commas, EOS
     "sampling.prompt_buckets": (16,),  # 14 characters
     # the longest FAP (fbos_jax/rl/fap_budget.py:longest_fap_tokens): problem 14 + response

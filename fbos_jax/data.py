@@ -130,11 +130,12 @@ def default_data_config() -> ml_collections.ConfigDict:
       # else a registered name or "package.module:attr" for EVERY example.
       "verifier": AUTO,
       "feedback_reveals_answer": False,  # passed to the verifier
-      # False: before the warm start, the procedural verifier is run on wrong responses
+      # True: before the warm start, the procedural verifier is run on wrong responses
       # (adversarial ones included) to sample records, and a task whose feedback contains
       # the final answer is refused, with an example record (fbos_jax/verifiers/
-      # procedural.py:check_answer_hidden; tiny_chain sets it)
-      "feedback_may_reveal_answer": True,
+      # procedural.py:check_answer_hidden; tiny_chain sets it). Not the verifier's
+      # feedback_reveals_answer above, which makes feedback name the answer.
+      "require_hidden_answer": False,
       "shuffle": True,
       "shuffle_seed": 0,
       "num_epochs": 0,  # 0 = repeat forever

@@ -132,22 +132,22 @@ def test_the_fap_budget_holds_every_chain_fap(tmp_path):
 
 def test_a_feedback_that_reveals_the_answer_is_refused_at_start():
   c = load("configs/fbos.py:tiny_chain")
-  assert c.data.feedback_may_reveal_answer is False
+  assert c.data.require_hidden_answer is True
   ok = procedural.check_config_answer_hidden(c, procedural.ProceduralVerifier())
   assert ok and ok >= 64 * 20
   c.data.feedback_reveals_answer = True
   with pytest.raises(procedural.FeedbackRevealsAnswerError,
-                     match=r"(?s)data.feedback_may_reveal_answer=False.*task 'chain'.*"
+                     match=r"(?s)data.require_hidden_answer=True.*task 'chain'.*"
                            r"Example record id 'chain/train/0/\d+': prompt '.*', answer "):
     procedural.check_config_answer_hidden(
         c, procedural.ProceduralVerifier(feedback_reveals_answer=True))
-  c.data.feedback_may_reveal_answer = True  # allowed: nothing is checked
+  c.data.require_hidden_answer = False  # allowed: nothing is checked
   assert procedural.check_config_answer_hidden(
       c, procedural.ProceduralVerifier(feedback_reveals_answer=True)) is None
   # a family whose feedback can write the answer's digits is refused too
   a = load("configs/grpo.py:tiny")
   a.data.task, a.data.difficulty, a.data.max_difficulty = "arithmetic", 1, 1
-  a.data.feedback_may_reveal_answer = False
+  a.data.require_hidden_answer = True
   with pytest.raises(procedural.FeedbackRevealsAnswerError, match="task 'arithmetic'"):
     procedural.check_config_answer_hidden(a, procedural.ProceduralVerifier())
 

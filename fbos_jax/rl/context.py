@@ -134,7 +134,7 @@ class RolloutContext:
     if check_budget:
       from fbos_jax.verifiers import procedural
       budget = budget_lib.check_fap_budget(config, parts, tokenizer)
-      if pool is not None:  # data.feedback_may_reveal_answer=False: refuse such a task now
+      if pool is not None:  # data.require_hidden_answer=True: refuse such a task now
         procedural.check_config_answer_hidden(config, pool.verifier)
     return cls(parts, tokenizer=tokenizer,
                prompt_builder=templates.PromptBuilder(tokenizer, config.templates), pool=pool,

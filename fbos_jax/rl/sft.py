@@ -49,7 +49,7 @@ from the config's refuses to start, naming each differing field. The ``corrupt``
 recipe without stages leaves the newer fields out of its fingerprint, so caches
 trained before they existed stay valid.
 
-A config with ``data.feedback_may_reveal_answer=False`` has already run
+A config with ``data.require_hidden_answer=True`` has already run
 :func:`fbos_jax.verifiers.procedural.check_config_answer_hidden` when its
 context was built (``RolloutContext.build``): a task whose feedback contains the
 final answer is refused before anything trains, with an example record.
@@ -382,7 +382,7 @@ def _record(history, bar, ucfg, s, m, stats):
 # cache trained before they existed (the same recipe) is still recognised
 _SELF_ONLY_FIELDS = ("corrections", "self_corrections_from", "self_samples")
 # fields that do not change the warm start's result
-_DATA_IGNORED = ("read_threads", "feedback_may_reveal_answer")
+_DATA_IGNORED = ("read_threads", "require_hidden_answer")
 STAGE_SEED_STRIDE = 1009  # stage i draws its problems with seeds moved by i x this
 
 

@@ -113,30 +113,30 @@ def check_answer_hidden(verifier, examples, *, responses_per_example: int = 32,
       checked += 1
       if tasks.feedback_reveals_answer(str(feedback), ex):
         raise FeedbackRevealsAnswerError(
-            f"data.feedback_may_reveal_answer=False, but the feedback of task "
+            f"data.require_hidden_answer=True, but the feedback of task "
             f"{ex.get('task')!r} contains the final answer "
             f"{tasks.final_answer(ex)!r}. Example record {data_lib.locate(ex)}: prompt "
             f"{ex['prompt']!r}, answer {ex['answer']!r}; response {response!r} got feedback "
             f"{feedback!r}. Turn data.feedback_reveals_answer off, use a task whose feedback "
             "hides the answer (e.g. data.task=chain), or set "
-            "--config.data.feedback_may_reveal_answer=True to allow it.")
+            "--config.data.require_hidden_answer=False to allow it.")
   return checked
 
 
 def check_config_answer_hidden(config, verifier, *, num_examples: int = 64,
                                responses_per_example: int = 32) -> Optional[int]:
-  """At start: with ``data.feedback_may_reveal_answer=False``, check the feedback of
+  """At start: with ``data.require_hidden_answer=True``, check the feedback of
   the config's procedural task (``num_examples`` training problems from
   ``data.difficulty`` to ``data.max_difficulty``, ``responses_per_example`` wrong
   responses each) with :func:`check_answer_hidden`. Returns the pairs checked,
   or None when the flag allows revealing (or the source is not procedural:
   a warning, its records have no generator of wrong responses)."""
   dc = config.data
-  if dc.get("feedback_may_reveal_answer", True):
+  if not dc.get("require_hidden_answer", False):
     return None
   if dc.source != "procedural":
     from absl import logging
-    logging.warning("data.feedback_may_reveal_answer=False is checked on procedural tasks "
+    logging.warning("data.require_hidden_answer=True is checked on procedural tasks "
                     "only; data.source=%r is not checked", dc.source)
     return None
   src = tasks.ProceduralSource(dc.task, seed=dc.generation_seed, difficulty=dc.difficulty,
