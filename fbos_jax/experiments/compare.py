@@ -566,6 +566,25 @@ def resummarize(workdir: str):
                                             if k in data})
 
 
+def write_probe_only(workdir: str, meta: dict, probes: dict, sft_evals: dict) -> None:
+  """``--probe_only``'s outputs: WORKDIR/probe.json (``meta``, the probes) and probe.md
+  (the warm starts, the probe tables), the tables printed too."""
+  meta["machine"]["end"] = machine_state()
+  with open(os.path.join(workdir, "probe.json"), "w") as f:
+    json.dump(meta, f, indent=1, default=float)
+  md = probe_markdown({s: {k: v for k, v in p.items() if k != "feedback_probe"}
+                       for s, p in probes.items()})
+  fb = feedback_probe_markdown(probes)
+  with open(os.path.join(workdir, "probe.md"), "w") as f:
+    f.write(f"Command: `{meta['command']}`\n\nWarm starts: "
+            + "; ".join(f"seed {s}: greedy {e['eval/accuracy']:.3f}, T=1 "
+                        f"{e.get('eval/pass@1_sampled', float('nan')):.3f}"
+                        for s, e in sorted(sft_evals.items()))
+            + f"\n\n{md}\n\nFeedback-reading probe:\n\n{fb}\n")
+  print(md)
+  print(fb)
+
+
 def run(opts: Options, command: str):
   """The comparison ``opts`` asks for (``command``: its command line, recorded in
   every output): the warm starts and their probes, the sweep (``opts.lrs``), then
@@ -597,20 +616,7 @@ def run(opts: Options, command: str):
   meta["probes"] = {str(k): v for k, v in probes.items()}
   meta["warm_starts"] = {str(k): v for k, v in sft_evals.items()}
   if opts.probe_only:
-    meta["machine"]["end"] = machine_state()
-    with open(os.path.join(opts.workdir, "probe.json"), "w") as f:
-      json.dump(meta, f, indent=1, default=float)
-    md = probe_markdown({s: {k: v for k, v in p.items() if k != "feedback_probe"}
-                         for s, p in probes.items()})
-    fb = feedback_probe_markdown(probes)
-    with open(os.path.join(opts.workdir, "probe.md"), "w") as f:
-      f.write(f"Command: `{meta['command']}`\n\nWarm starts: "
-              + "; ".join(f"seed {s}: greedy {e['eval/accuracy']:.3f}, T=1 "
-                          f"{e.get('eval/pass@1_sampled', float('nan')):.3f}"
-                          for s, e in sorted(sft_evals.items()))
-              + f"\n\n{md}\n\nFeedback-reading probe:\n\n{fb}\n")
-    print(md)
-    print(fb)
+    write_probe_only(opts.workdir, meta, probes, sft_evals)
     return
   t_start -= meta.get("resumed", {}).get("wall_seconds_before", 0.0)  # wall of the whole comparison
   valid_n = opts.valid_prompts or base_cfg.train.eval_prompts

@@ -376,6 +376,88 @@ def _mesh_str(shape) -> str:
   return "x".join(str(shape.get(a, 1)) for a in ("data", "fsdp", "tensor"))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Model:
+  """What every row of :func:`split_model` is modelled with."""
+  config: object
+  devices: list
+  parts: object
+  rules: dict
+  chip: object
+  cost: object
+  hbm: float
+  frac: float
+  lengths: object
+  chunk_bytes: int
+
+
+def _sync_step(m: _Model, mesh, full) -> dict:
+  """The synchronous step with its rollout on ``mesh`` (all devices) and its update on
+  ``full`` (the config's mesh): its slots fit beside the train state and one compute
+  copy of the params."""
+  need = split_lib.split_bytes(m.parts, full, mesh, m.rules)
+  budget = (m.frac * m.hbm - need["trainer"] - need["rollout"] / 2
+            - ASSUMED_ENGINE_WORKSPACE_BYTES)
+  n_slots = engine_slots_that_fit(m.parts, mesh, m.rules, budget)["slots"]
+  r = rollout_model(m.parts, mesh, m.rules, m.chip, m.cost, n_slots, m.lengths)
+  t = _roofline(m.parts, full, m.rules, m.chip)
+  return {"mesh": _mesh_str(mesh.shape), "slots": n_slots, "rollout_s": r["drained_s"],
+          "weight_s_per_step": r["weight_s_per_step"],
+          "train_padded_s": t["train_padded_s"], "train_packed_s": t["train_packed_s"],
+          **{f"step_{k}_s": r["drained_s"] + t[f"train_{k}_s"] for k in ("padded", "packed")}}
+
+
+def _split_row(m: _Model, n: int, meshes, refused, sync: dict, trainers: dict,
+               run_update: str) -> dict:
+  """One row of :func:`split_model`: ``n`` rollout devices on ``meshes``; an
+  ``invalid`` row says why it cannot run. ``trainers``: the trainer side's roofline
+  by ``n`` (filled here)."""
+  parts, rules = m.parts, m.rules
+  row = {"rollout_devices": n, "trainer_devices": meshes.trainer.size,
+         "rollout_mesh": _mesh_str(meshes.rollout.shape),
+         "trainer_mesh": _mesh_str(meshes.trainer.shape), "refused": refused}
+  try:
+    split_lib.check_rows(parts, meshes.trainer, meshes.rollout, rules)
+  except split_lib.AsyncConfigError as e:
+    row["invalid"] = str(e)[:120]
+  need = split_lib.split_bytes(parts, meshes.trainer, meshes.rollout, rules)
+  try:
+    fit = engine_slots_that_fit(parts, meshes.rollout, rules,
+                                m.frac * m.hbm - need["rollout"] - ASSUMED_ENGINE_WORKSPACE_BYTES)
+  except EngineError as e:  # the engine's batch shards per process
+    return dict(row, invalid=f"engine: {e}"[:120], slots=0)
+  row.update(slots=fit["slots"], rollout_params_bytes=need["rollout"],
+             trainer_state_bytes=need["trainer"],
+             trainer_state_fits=need["trainer"] <= m.frac * m.hbm)
+  if fit["slots"] <= 0:
+    row["invalid"] = row.get("invalid") or "no engine slot fits beside the params"
+    return row
+  if n not in trainers:
+    try:
+      trainers[n] = _roofline(parts, meshes.trainer, rules, m.chip)
+    except sh.ShardingError as e:
+      trainers[n] = f"trainer mesh {row['trainer_mesh']}: {e}"[:120]
+  t = trainers[n]
+  if isinstance(t, str):
+    return dict(row, invalid=t)
+  r = rollout_model(parts, meshes.rollout, rules, m.chip, m.cost, fit["slots"], m.lengths)
+  sy = plan_sync(parts, meshes, m.chunk_bytes, m.chip)["est_s"]
+  row.update(weight_s_per_step=r["weight_s_per_step"],
+             weight_bytes_per_chip=r["weight_bytes_per_chip"],
+             rollout_drained_s=r["drained_s"], rollout_continuous_s=r["continuous_s"],
+             train_padded_s=t["train_padded_s"], train_packed_s=t["train_packed_s"],
+             sync_s=sy)
+  for k in ("padded", "packed"):
+    a = max(r["continuous_s"], t[f"train_{k}_s"] + sy)
+    row[f"async_{k}_s"] = a
+    row[f"async_{k}_drained_s"] = max(r["drained_s"], t[f"train_{k}_s"] + sy)
+    row[f"speedup_{k}"] = sync["configured"][f"step_{k}_s"] / a
+    row[f"speedup_{k}_vs_decode_mesh_sync"] = sync["decode_mesh"][f"step_{k}_s"] / a
+  row["bound"] = ("rollout" if r["continuous_s"] >= t[f"train_{run_update}_s"] + sy
+                  else "update + sync")
+  return row
+
+
 def split_model(config, topology: str, *, fixed_s: float = hw.ASSUMED_DECODE_STEP_FIXED_S,
                 chunk_bytes: int = 512 * 2 ** 20,
                 lengths: hw.ResponseLengths = hw.RESPONSE_LENGTHS) -> dict:
@@ -397,27 +479,14 @@ def split_model(config, topology: str, *, fixed_s: float = hw.ASSUMED_DECODE_STE
   split the run accepts (``runs``), else None."""
   devices = hw.topology_devices(topology)
   chip = hw.chip_spec(devices[0])
-  hbm, frac = hw.hbm_bytes(devices[0]), hw.fit_fraction(devices[0])
-  parts = plan_lib.plan_parts(config)
-  rules = sh.rules_dict(config.mesh.rules)
-  cost = decode_cost(chip, fixed_s)
+  m = _Model(config=config, devices=devices, parts=plan_lib.plan_parts(config),
+             rules=sh.rules_dict(config.mesh.rules), chip=chip, cost=decode_cost(chip, fixed_s),
+             hbm=hw.hbm_bytes(devices[0]), frac=hw.fit_fraction(devices[0]), lengths=lengths,
+             chunk_bytes=chunk_bytes)
+  parts, rules = m.parts, m.rules
   run_update = "packed" if parts.update.packed else "padded"
-
-  def sync_ref(mesh):
-    """The synchronous step on ``mesh`` (all devices): its slots fit beside the
-    train state and one compute copy of the params."""
-    need = split_lib.split_bytes(parts, full, mesh, rules)
-    budget = frac * hbm - need["trainer"] - need["rollout"] / 2 - ASSUMED_ENGINE_WORKSPACE_BYTES
-    n_slots = engine_slots_that_fit(parts, mesh, rules, budget)["slots"]
-    r = rollout_model(parts, mesh, rules, chip, cost, n_slots, lengths)
-    t = _roofline(parts, full, rules, chip)
-    return {"mesh": _mesh_str(mesh.shape), "slots": n_slots, "rollout_s": r["drained_s"],
-            "weight_s_per_step": r["weight_s_per_step"],
-            "train_padded_s": t["train_padded_s"], "train_packed_s": t["train_packed_s"],
-            **{f"step_{k}_s": r["drained_s"] + t[f"train_{k}_s"] for k in ("padded", "packed")}}
-
   full = hw.target_mesh(config, devices)
-  sync = {"configured": sync_ref(full)}
+  sync = {"configured": _sync_step(m, full, full)}
   decode = []  # the rollout meshes of all devices the engine runs on, by weight time
   for rm in rollout_mesh_candidates(parts.model, len(devices)):
     mesh = sh.make_mesh(split_lib.rollout_mesh_config(config.mesh, rm), devices)
@@ -425,10 +494,10 @@ def split_model(config, topology: str, *, fixed_s: float = hw.ASSUMED_DECODE_STE
       engine_slots_that_fit(parts, mesh, rules, 0)
     except EngineError:
       continue
-    decode.append((weight_s_per_step(parts.model, mesh, chip, cost), mesh))
+    decode.append((weight_s_per_step(parts.model, mesh, chip, m.cost), mesh))
   # the synchronous loop's rollout resharded to the decode mesh (not what it does
   # today): what the split gains beyond choosing a decode layout
-  sync["decode_mesh"] = sync_ref(min(decode, key=lambda x: x[0])[1])
+  sync["decode_mesh"] = _sync_step(m, min(decode, key=lambda x: x[0])[1], full)
   rows, trainers = [], {}
   for n in split_candidates(devices):
     for rm in rollout_mesh_candidates(parts.model, n):
@@ -436,54 +505,7 @@ def split_model(config, topology: str, *, fixed_s: float = hw.ASSUMED_DECODE_STE
         meshes, refused = _modelled_meshes(config, devices, n, rm)
       except (sh.ShardingError, hw.PlanError, split_lib.AsyncConfigError):
         continue
-      row = {"rollout_devices": n, "trainer_devices": meshes.trainer.size,
-             "rollout_mesh": _mesh_str(meshes.rollout.shape),
-             "trainer_mesh": _mesh_str(meshes.trainer.shape), "refused": refused}
-      try:
-        split_lib.check_rows(parts, meshes.trainer, meshes.rollout, rules)
-      except split_lib.AsyncConfigError as e:
-        row["invalid"] = str(e)[:120]
-      need = split_lib.split_bytes(parts, meshes.trainer, meshes.rollout, rules)
-      try:
-        fit = engine_slots_that_fit(parts, meshes.rollout, rules,
-                                    frac * hbm - need["rollout"] - ASSUMED_ENGINE_WORKSPACE_BYTES)
-      except EngineError as e:  # the engine's batch shards per process
-        row.update(invalid=f"engine: {e}"[:120], slots=0)
-        rows.append(row)
-        continue
-      row.update(slots=fit["slots"], rollout_params_bytes=need["rollout"],
-                 trainer_state_bytes=need["trainer"],
-                 trainer_state_fits=need["trainer"] <= frac * hbm)
-      if fit["slots"] <= 0:
-        row["invalid"] = row.get("invalid") or "no engine slot fits beside the params"
-        rows.append(row)
-        continue
-      if n not in trainers:
-        try:
-          trainers[n] = _roofline(parts, meshes.trainer, rules, chip)
-        except sh.ShardingError as e:
-          trainers[n] = f"trainer mesh {row['trainer_mesh']}: {e}"[:120]
-      t = trainers[n]
-      if isinstance(t, str):
-        row["invalid"] = t
-        rows.append(row)
-        continue
-      r = rollout_model(parts, meshes.rollout, rules, chip, cost, fit["slots"], lengths)
-      sy = plan_sync(parts, meshes, chunk_bytes, chip)["est_s"]
-      row.update(weight_s_per_step=r["weight_s_per_step"],
-                 weight_bytes_per_chip=r["weight_bytes_per_chip"],
-                 rollout_drained_s=r["drained_s"], rollout_continuous_s=r["continuous_s"],
-                 train_padded_s=t["train_padded_s"], train_packed_s=t["train_packed_s"],
-                 sync_s=sy)
-      for k in ("padded", "packed"):
-        a = max(r["continuous_s"], t[f"train_{k}_s"] + sy)
-        row[f"async_{k}_s"] = a
-        row[f"async_{k}_drained_s"] = max(r["drained_s"], t[f"train_{k}_s"] + sy)
-        row[f"speedup_{k}"] = sync["configured"][f"step_{k}_s"] / a
-        row[f"speedup_{k}_vs_decode_mesh_sync"] = sync["decode_mesh"][f"step_{k}_s"] / a
-      row["bound"] = ("rollout" if r["continuous_s"] >= t[f"train_{run_update}_s"] + sy
-                      else "update + sync")
-      rows.append(row)
+      rows.append(_split_row(m, n, meshes, refused, sync, trainers, run_update))
   for n in sorted({r["rollout_devices"] for r in rows}):
     ok = [r for r in rows if r["rollout_devices"] == n and "invalid" not in r]
     if ok:
@@ -495,7 +517,7 @@ def split_model(config, topology: str, *, fixed_s: float = hw.ASSUMED_DECODE_STE
           "assumptions": {"ASSUMED_DECODE_STEP_FIXED_S": fixed_s,
                           "ASSUMED_ENGINE_WORKSPACE_BYTES": ASSUMED_ENGINE_WORKSPACE_BYTES,
                           "DCN_BYTES_PER_S_PER_HOST": DCN_BYTES_PER_S_PER_HOST,
-                          "ici_bytes_per_s_one_direction": cost.ici_bytes_per_s,
+                          "ici_bytes_per_s_one_direction": m.cost.ici_bytes_per_s,
                           "response_lengths": lengths.describe(
                               parts.sampling.round1.max_new_tokens)},
           "sync": sync, "rows": rows,
