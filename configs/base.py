@@ -316,6 +316,21 @@ VARIANTS = {
         })),
 }
 
+# qwen_8b_long on AReaL's split (docs/async.md, "The qwen_8b_long split"): 16 of the 32
+# chips (4 whole hosts) roll out, 16 train, at most one version stale. The rollout mesh
+# is chosen for decode (planning/async_split.py:split_model): data 4 x tensor 4, so a
+# chip reads a quarter of the weights per decode step and gathers none (fsdp 8 x tensor 2
+# reads twice as much and gathers 7.2 GB a step); its 4 batch shards are the side's 4
+# hosts. Slots: the most whose pages fit the side beside its params copies (the model
+# says 468 of the round's 512 rows; the rest wait for a free slot).
+VARIANTS["qwen_8b_long_async"] = dict(
+    VARIANTS["qwen_8b_long"],
+    run=dict(VARIANTS["qwen_8b_long"]["run"], **{
+        "rl.rollout_devices": 16, "rl.max_staleness": 1,
+        "rl.rollout_mesh.data": 4, "rl.rollout_mesh.fsdp": 1, "rl.rollout_mesh.tensor": 4,
+        "engine.slots": 468,
+    }))
+
 # Flavors every algorithm file accepts (``:tiny,decoupled``).
 COMMON_FLAVORS = ("decoupled",)
 
