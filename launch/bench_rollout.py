@@ -39,7 +39,10 @@ per-position cost, the costs NAMED (``--cost_model``'s weights and KV bytes at
 assumption, not a measurement; on an accelerator a memory-bound step costs
 about the same at 16 rows as at 64, so the decode steps are what streaming
 saves, while on a CPU a step costs in proportion to its rows). The "same
-tokens" check compares every batch's tokens exactly.
+tokens" check compares every batch's tokens exactly. ``streamed_decode_steps_floor``:
+the fewest decode steps any schedule of the same rollouts can take (round 1
+from step 0, every verdict at once, a round-2 row after the round-1 rows it
+waits for: ``rollout/round2_chain_steps``), so what streaming can save at most.
 
 Workload ``slow_verifier`` (issue 32): ``two_round``'s barrier and streamed
 schedules with every verdict taking ``--slow_verifier_ms`` (20 ms: a sleep, as a
@@ -55,8 +58,8 @@ refills). The last line is JSON (``--workloads=row_cost`` adds what a decode
 step costs at 8-64 rows, the static sampler, no stops): ``{"long_tail":
 {"static_tok_s", "continuous_tok_s", "ratio", ...}, "two_round": {"barrier_s",
 "streamed_s", "static_s", "barrier_decode_steps", "streamed_decode_steps",
-"static_decode_steps", "*_slot_steps", "*_kv_reads", "*_modelled_s",
-"tokens_equal", ...}, "slow_verifier": {"barrier_s", "streamed_s", ...}}``.
+"static_decode_steps", "streamed_decode_steps_floor", "*_slot_steps", "*_kv_reads",
+"*_modelled_s", "tokens_equal", ...}, "slow_verifier": {"barrier_s", "streamed_s", ...}}``.
 """
 
 from __future__ import annotations
@@ -242,6 +245,12 @@ def rounds_workload(args, name: str, schedules: tuple, latency_s: float = 0.0) -
             f"{mm['rollout/round2_rows_beside_round1']:.0f} of {mm['round2/rollouts']}, started "
             f"on their own rollout's verdict before the group's {mm['rollout/round2_rows_before_group']:.0f}")
   if "barrier" in schedules and "streamed" in schedules:
+    # the dependency floor: no schedule of these rollouts takes fewer decode steps
+    out["streamed_decode_steps_floor"] = float(runs["streamed"][-1][1]["rollout/round2_chain_steps"])
+    print(f"decode-step floor of any schedule (round 1 from step 0, every verdict at once; "
+          f"a round-2 row after the round-1 rows it waits for): "
+          f"{out['streamed_decode_steps_floor']:.0f} = "
+          f"{out['streamed_decode_steps_floor'] / out['barrier_decode_steps']:.2f}x the barrier's")
     out["ratio"] = out["streamed_s"] / out["barrier_s"]
     out["decode_steps_ratio"] = out["streamed_decode_steps"] / out["barrier_decode_steps"]
     out["tokens_equal"] = same_tokens(trajs["barrier"], trajs["streamed"])

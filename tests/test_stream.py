@@ -16,20 +16,12 @@ from fbos_jax.rl.trainer import RLTrainer
 PARITY = "fbos_jax.testing.small:parity_reward"
 
 
-class _SyncExecutor:
-  """A ThreadPoolExecutor stand-in that runs each job at once (deterministic timing)."""
-
-  def __init__(self, *args, **kwargs):
-    pass
-
-  def submit(self, fn, *args):
-    import concurrent.futures
-    fut = concurrent.futures.Future()
-    fut.set_result(fn(*args))
-    return fut
-
-  def shutdown(self, wait=True):
-    pass
+def _sync_submit(self, example, response, *, priority=0):
+  """VerifierPool.submit, the verdict computed at once (deterministic timing)."""
+  import concurrent.futures
+  fut = concurrent.futures.Future()
+  fut.set_result(self.run([example], [response]))
+  return fut
 
 
 def _step(tr, state, examples, key):
@@ -77,12 +69,16 @@ def test_streamed_rounds_equal_the_barrier(spec, tmp_path, small, one_device_mes
   assert same == {k: v for k, v in m1.items() if not k.startswith(skip) and k in same}
   assert "time/rounds_s" in m1 and "time/rounds_s" in m0
   # whether a verdict comes back before round 1 ends depends on thread timing; with
-  # verdicts computed at once (a synchronous executor) the first wave's round 2
+  # verdicts computed at once (a synchronous submit) the first wave's round 2
   # always decodes beside round 1's second wave, with the same rows
-  from fbos_jax.rl import stream
-  monkeypatch.setattr(stream.concurrent.futures, "ThreadPoolExecutor", _SyncExecutor)
+  from fbos_jax.verifiers.base import VerifierPool
+  monkeypatch.setattr(VerifierPool, "submit", _sync_submit)
   b2, m2 = _step(trs[True], state, examples, key)
   assert m2["rollout/round2_rows_beside_round1"] > 0  # it really streams
+  # the dependency floor (the same rollouts: the same floor) bounds both schedules
+  floor = m0["rollout/round2_chain_steps"]
+  assert floor == m1["rollout/round2_chain_steps"] == m2["rollout/round2_chain_steps"]
+  assert m0["rollout/decode_steps"] >= floor and m2["rollout/decode_steps"] >= floor
   if spec == "configs/fbos.py:tiny":  # rows started on their own rollout's verdict
     assert m2["rollout/round2_rows_before_group"] > 0
   for name in b0:

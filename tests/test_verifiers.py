@@ -410,3 +410,68 @@ def test_pool_with_builtin_verifier_in_order():
   verdicts, stats = VerifierPool(get_verifier("procedural"), num_workers=8).run(exs, resps)
   assert [v.reward for v in verdicts] == [float(i % 2) for i in range(50)]
   assert stats["verifier/errors"] == 0
+
+
+def test_pool_submit_resolves_in_the_calls_own_thread():
+  """Issue 32: a rollout verified as it stops is one call in its own thread,
+  which resolves the Future itself: no second thread waits on the call."""
+  import threading
+  seen, gate, done = {}, threading.Event(), threading.Event()
+
+  def verifier(example, response):
+    seen["call"] = threading.get_ident()
+    gate.wait(30)  # not done before the callback below is attached
+    return Verdict(reward=1.0, feedback="")
+
+  pool = VerifierPool(verifier, num_workers=2, timeout_s=30.0)
+  fut = pool.submit({"id": 0}, "x")
+  fut.add_done_callback(lambda f: (seen.setdefault("resolved", threading.get_ident()),
+                                   done.set()))
+  gate.set()
+  assert done.wait(30)
+  (v,), stats = fut.result()
+  assert v.reward == 1.0 and stats["verifier/calls"] == 1 and pool.totals["calls"] == 1
+  assert seen["resolved"] == seen["call"] != threading.get_ident()
+  pool.close()
+
+
+def test_pool_submit_runs_waiting_calls_by_priority_and_drops_cancelled():
+  """Calls waiting for a worker start lower priority first (round-1 verdicts,
+  which start round-2 rows, ahead of round-2 ones), then in submission order;
+  a cancelled waiting call never runs."""
+  import threading
+  gate, order = threading.Event(), []
+
+  def verifier(example, response):
+    if response == "first":
+      gate.wait(30)
+    order.append(response)
+    return Verdict(reward=1.0, feedback="")
+
+  pool = VerifierPool(verifier, num_workers=1, timeout_s=60.0)
+  futs = [pool.submit({"id": 0}, "first", priority=0)]
+  futs += [pool.submit({"id": i}, r, priority=p)
+           for i, (r, p) in enumerate([("r2a", 2), ("r1a", 1), ("r2b", 2), ("r1b", 1)], 1)]
+  dropped = pool.submit({"id": 9}, "dropped", priority=0)
+  assert dropped.cancel()
+  gate.set()
+  for f in futs:
+    f.result(timeout=30)
+  assert order == ["first", "r1a", "r1b", "r2a", "r2b"]
+  assert dropped.cancelled() and pool.totals["calls"] == 5
+  pool.close()
+
+
+def test_pool_submit_times_out_a_hung_call_and_frees_its_place():
+  """Issue 32's bad input: a hung call resolves as a timeout error after
+  ``timeout_s`` and its place goes to the next call; other calls are not held."""
+  pool = VerifierPool(flaky_verifier, num_workers=1, timeout_s=0.3)
+  hung = pool.submit(ARITH, "hang")
+  after = pool.submit(ARITH, "57")
+  (v,), st = after.result(timeout=30)
+  assert v.reward == 1.0 and not v.is_error
+  (h,), hst = hung.result(timeout=30)
+  assert h.is_error and h.error.startswith("timeout: no verdict within")
+  assert hst["verifier/timeout"] == 1 and pool.totals["timeout"] == 1
+  assert hst["verifier/abandoned_threads"] >= 1
+  pool.close()

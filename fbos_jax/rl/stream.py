@@ -3,8 +3,9 @@ verification and round 2 streamed beside round 1 (``rl.stream_rounds``).
 
 Both schedules verify each rollout the moment it stops: the engine hands every
 row that stops to :meth:`_Step.on_row`, which submits it alone to the verifier
-pool (``VerifierPool.executor``: at most ``verifier.workers`` calls in flight, a
-hung call holding only its own row, until ``verifier.timeout_s``).
+pool (``VerifierPool.submit``: at most ``verifier.workers`` calls in flight, each
+in its own thread, round-1 verdicts ahead of round-2 ones; a hung call holding
+only its own row, until ``verifier.timeout_s``).
 
 * :func:`barrier_rounds` (``rl.stream_rounds=False``): round 1 in one engine run
   (round 1's sampler settings), then every round-1 verdict, then round 2 in a
@@ -81,18 +82,24 @@ def _put_verdict(ro: R.Rollouts, p: int, j: int, verdict: tuple):
 
 
 class _Verifier:
-  """Rows to the verifier pool one at a time, as they stop (``ctx.verify`` of
-  one row on the pool's executor); ``ready()`` the jobs whose verdict is in."""
+  """Rows to the verifier pool one at a time, as they stop
+  (``VerifierPool.submit``: at most ``verifier.workers`` calls at once, each in
+  its own thread and no second thread waiting on it; a hung call holds only its
+  own row, until ``verifier.timeout_s``). Round-1 verdicts, which start round-2
+  rows, go ahead of round-2 verdicts waiting for a free worker. ``ready()``:
+  the jobs whose verdict is in, each a future of ``ctx.verify``'s result."""
 
   def __init__(self, ctx: RolloutContext):
     self.ctx = ctx
-    workers = getattr(ctx.pool, "num_workers", 1)
-    self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers,
-                                                      thread_name_prefix="verify")
-    self.jobs: list = []  # (step, key, future of ctx.verify)
+    self.jobs: list = []  # (step, key, future of ctx.verify's result for one row)
+    self.calls: list = []  # the pool's futures (cancelled by close if not started)
 
   def submit(self, step, key, example, text: str):
-    self.jobs.append((step, key, self.pool.submit(self.ctx.verify, [example], [text])))
+    call = self.ctx.pool.submit(example, text, priority=key[0])
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    call.add_done_callback(lambda f: _as_verify(f, out))
+    self.calls.append(call)
+    self.jobs.append((step, key, out))
 
   def ready(self, wait: bool = False) -> list:
     """The jobs whose verdict is in (``wait``: at least one, if any is pending)."""
@@ -104,7 +111,24 @@ class _Verifier:
     return out
 
   def close(self):
-    self.pool.shutdown(wait=True)
+    """Calls still waiting for a worker are dropped (a run that raised)."""
+    for call in self.calls:
+      call.cancel()
+
+
+def _as_verify(call: concurrent.futures.Future, out: concurrent.futures.Future):
+  """A pool call's ([verdict], stats) into ``out`` as ``ctx.verify``'s result
+  (rewards [1], feedback [1], is_error [1], stats)."""
+  if call.cancelled():
+    out.cancel()
+    return
+  try:
+    (v,), st = call.result()
+  except BaseException as e:  # pylint: disable=broad-except
+    out.set_exception(e)
+    return
+  out.set_result((np.asarray([v.reward], np.float32), [v.feedback],
+                  np.asarray([v.is_error], bool), st))
 
 
 class _Step:
@@ -246,12 +270,28 @@ class _Step:
         r2.valid[p, j], r2.source[p, j] = True, s
         r2.contexts[p][j], r2.truncated[p, j] = fap.token_ids, fap.truncated
     st2 = _merge(self.stats[2])
+    st2["rollout/round2_chain_steps"] = float(self.chain_steps())
     if self.streamed:
       r1_end = max((w[1] for w in self.windows[1]), default=-1)
       overlap = sum(w[0] <= r1_end for w in self.windows[2])  # round-2 rows beside round 1
       st2["rollout/round2_rows_beside_round1"] = float(overlap)
       st2["rollout/round2_rows_before_group"] = float(self.early)
     return self.r1, r2, _merge(self.stats[1]), st2
+
+  def chain_steps(self) -> int:
+    """The fewest sequential decode steps any schedule of this step's rollouts
+    can take (every round-1 row from step 0, every verdict at once): the
+    longest chain of a round-2 row's own length after the round-1 rows it
+    waits for (its source's, for a rollout's quota; the whole group's, for the
+    rest and for GOLF's aggregated prompt), or the longest round-1 row."""
+    l1 = self.r1.lengths
+    quota = R.round2_quota(self.n, self.m) if self.mode == "single" else 0
+    out = int(l1.max(initial=0))
+    for p, plan in self.plans.items():
+      for s, r in plan:
+        wait = l1[p, s] if 0 <= s and r < quota else l1[p].max()
+        out = max(out, int(wait) + int(self.rows2[(p, s, r)][0].tokens.size))
+    return out
 
 
 class StepStream:

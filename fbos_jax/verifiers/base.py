@@ -41,8 +41,11 @@ against its JSON text). ``bool`` is accepted only when named (not as an
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import heapq
 import importlib
+import itertools
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -526,6 +529,12 @@ class VerifierPool:
     # Running totals since construction (for checkpoint-independent metrics).
     self.totals: dict[str, int] = {"calls": 0, "errors": 0}
     self.totals.update({k: 0 for k in ERROR_KINDS})
+    # ``submit``'s calls: queued (priority, seq, ...), running {seq: (deadline, ...)}
+    self._sub = threading.Condition()
+    self._sub_queue: list = []
+    self._sub_running: dict = {}
+    self._sub_seq = itertools.count()
+    self._watchdog = None  # the watchdog thread of ``submit``'s timeouts
     if backend == "process":
       self._check_picklable()
       self._ctx = multiprocessing.get_context(mp_start_method)
@@ -563,11 +572,19 @@ class VerifierPool:
       raise ValueError(
           f"{len(examples)} examples but {len(responses)} responses")
     t0 = time.monotonic()
-    n = len(examples)
     if self.backend == "thread":
       raw = self._run_threads(examples, responses)
     else:
       raw = self._run_processes(examples, responses)
+    verdicts, stats = self._verdicts(examples, raw, t0)
+    if self.backend == "thread" and len(self._abandoned) > self.max_abandoned_threads:
+      self._abandoned_cap_reached()
+    return verdicts, stats
+
+  def _verdicts(self, examples, raw: list, t0: float) -> tuple[list[Verdict], dict]:
+    """``raw`` [(status, payload, latency_s)] of ``examples`` as (verdicts, stats)
+    (``run``'s result), the pool's totals updated."""
+    n = len(examples)
     verdicts: list[Verdict] = []
     counts = {k: 0 for k in ERROR_KINDS}
     latencies = []
@@ -604,13 +621,104 @@ class VerifierPool:
         "verifier/abandoned_threads": float(len(self._abandoned)),
     }
     stats.update({f"verifier/{k}": float(v) for k, v in counts.items()})
-    if self.backend == "thread" and len(self._abandoned) > self.max_abandoned_threads:
-      self._abandoned_cap_reached()
     return verdicts, stats
 
   def verify_one(self, example: Mapping[str, Any], response: str) -> Verdict:
     """One call with the pool's timeout, fault isolation and range check."""
     return self.run([example], [response])[0][0]
+
+  def submit(self, example: Mapping[str, Any], response: str, *,
+             priority: int = 0) -> concurrent.futures.Future:
+    """One call, not waited for: a Future of ``run([example], [response])``'s
+    result (one verdict, its stats), with the same timeout, fault isolation
+    and range check (the continuous engine's rollouts, verified one by one as
+    they stop: ``fbos_jax/rl/stream.py``).
+
+    At most ``num_workers`` submitted calls run at once (``run`` counts its
+    own); the others wait, lower ``priority`` first, then in submission order
+    (a waiting call's Future may be cancelled).
+    Thread backend: each call runs in its own thread, which resolves the
+    Future itself, so no second thread waits on it; a call past ``timeout_s``
+    is resolved as a timeout error by a watchdog thread and its thread is
+    abandoned (as in ``run``), freeing its place at once. Process backend: the
+    call runs ``run`` on a worker process (its timeout kills the worker)."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    with self._sub:
+      heapq.heappush(self._sub_queue, (int(priority), next(self._sub_seq), example,
+                                       response, fut, time.monotonic()))
+      self._sub_start()
+    return fut
+
+  def _sub_start(self) -> None:
+    """Starts queued ``submit`` calls while fewer than ``num_workers`` run
+    (``self._sub`` held)."""
+    while self._sub_queue and len(self._sub_running) < self.num_workers:
+      _, key, example, response, fut, t0 = heapq.heappop(self._sub_queue)
+      if not fut.set_running_or_notify_cancel():  # cancelled while it waited
+        continue
+      th = threading.Thread(target=self._sub_work, args=(key, example, response, fut, t0),
+                            daemon=True, name=f"verifier-submit-{key}")
+      timed = self.backend == "thread"  # the process backend times its own calls
+      self._sub_running[key] = (time.monotonic() + self.timeout_s if timed else math.inf,
+                                th, example, fut, t0)
+      th.start()
+      if timed and self._watchdog is None:
+        self._watchdog = threading.Thread(target=self._sub_watch, daemon=True,
+                                          name="verifier-watchdog")
+        self._watchdog.start()
+      elif timed and len(self._sub_running) == 1:  # the watchdog waits for a first call
+        self._sub.notify_all()
+
+  def _sub_work(self, key, example, response, fut, t0: float) -> None:
+    """One submitted call, in its own thread: the call, then its Future."""
+    if self.backend == "thread":
+      start = time.monotonic()
+      status, payload = _call(self.verifier, example, response)
+      raw = (status, payload, time.monotonic() - start)
+    else:
+      try:
+        raw = self._run_processes([example], [response])[0]
+      except BaseException as e:  # pylint: disable=broad-except
+        raw = ("crash", f"{type(e).__name__}: {e}", 0.0)
+    with self._sub:
+      mine = self._sub_running.pop(key, None) is not None  # else: timed out
+      self._sub_start()
+    if mine:
+      self._sub_settle(fut, example, raw, t0)
+
+  def _sub_watch(self) -> None:
+    """The watchdog of submitted thread-backend calls: a call past its deadline
+    is resolved as a timeout and its thread abandoned (daemon; ends with ``close``)."""
+    me = threading.current_thread()
+    while True:
+      with self._sub:
+        if self._watchdog is not me:  # closed (a later submit starts another)
+          return
+        now = time.monotonic()
+        late = [(k, v) for k, v in self._sub_running.items() if v[0] <= now]
+        for k, _ in late:
+          del self._sub_running[k]
+        if late:
+          self._sub_start()
+        else:
+          due = min((v[0] for v in self._sub_running.values()), default=math.inf)
+          self._sub.wait(None if due == math.inf else due - now)
+          continue
+      for _, (_, th, example, fut, t0) in late:
+        with self._lock:
+          self._abandoned.append(th)
+        self._sub_settle(fut, example, ("timeout", self._timeout_detail(), self.timeout_s), t0)
+
+  def _sub_settle(self, fut, example, raw: tuple, t0: float) -> None:
+    """A submitted call's result (or ``run``'s exception) into its Future."""
+    try:
+      out = self._verdicts([example], [raw], t0)
+      if self.backend == "thread" and len(self._abandoned) > self.max_abandoned_threads:
+        self._abandoned_cap_reached()
+    except BaseException as e:  # pylint: disable=broad-except
+      fut.set_exception(e)
+      return
+    fut.set_result(out)
 
   def _abandoned_cap_reached(self) -> None:
     """Too many hung threads: move to processes (which can be killed), or fail."""
@@ -633,6 +741,11 @@ class VerifierPool:
 
   def close(self) -> None:
     """Stops process workers (threads abandoned on timeout cannot be)."""
+    sub = getattr(self, "_sub", None)
+    if sub is not None:  # the submit watchdog ends
+      with sub:
+        self._watchdog = None
+        sub.notify_all()
     for w in self._workers:
       if w is None:  # still starting (another thread's call)
         continue
