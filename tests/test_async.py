@@ -24,6 +24,7 @@ def _drop(row):
   return {k: v for k, v in row.items() if not k.startswith(DROP)}
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_eta0_split_equals_the_synchronous_loop(tmp_path, small):
   """rl.max_staleness=0 on a 4 / 4 split: the worker thread, the buffer, the
   admission rule and the weight sync give the synchronous loop's params and
@@ -367,6 +368,7 @@ def test_a_split_without_room_for_the_params_is_refused_with_the_numbers():
 # ---------------------------------------------------------------- kill -9 and resume
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_kill_between_checkpoints_loses_and_repeats_no_prompt(tmp_path, small):
   """eta = 2, 4 / 4 split, checkpoints at steps 2, 4, 6: SIGKILL after step 3 (the
   worker has pulled the prompts of batches 4 and 5 by then), restart: the

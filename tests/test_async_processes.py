@@ -65,6 +65,7 @@ def _steps(workdir) -> list:
   return metrics_lib.read_jsonl(path) if os.path.exists(path) else []
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_two_processes_kill_resume_and_eta0_equals_the_synchronous_run(tmp_path):
   wd = tmp_path / "split"
   ref = _launch([f"--workdir={tmp_path / 'ref'}", "--num_processes=1", "--steps=4", "--eta=0",

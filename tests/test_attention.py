@@ -163,6 +163,7 @@ PACKED_CASES = {  # impl: (fn, per-row segment lengths (then padding), T)
 
 
 @pytest.mark.parametrize("impl", list(PACKED_CASES))
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_packed_segments_never_attend_across(impl):
   """A row packing several sequences (segment ids, padding at the end) gives, at
   every token of every sequence, the output and the q/k/v gradients that the

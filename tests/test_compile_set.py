@@ -41,6 +41,7 @@ def model():
   return params, cfg
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_engine_compile_set_covers_every_call(model):
   """Every engine program a run can call (rows, staged rows, page-table widths,
   prefill chunks, page copies), compiled from Engine.program_shapes: then calls
@@ -117,6 +118,7 @@ def _run(small, one_device_mesh, tmp_path, **over):
 
 
 @pytest.mark.parametrize("engine", ["static", "continuous", "streamed"])
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_no_compile_after_the_first_step(engine, small, one_device_mesh, tmp_path):
   """A run compiles its set before step 1: no step after the first compiles
   (``compile/after_start`` = 0), and step 1 compiles none of the samplers',
@@ -133,6 +135,7 @@ def test_no_compile_after_the_first_step(engine, small, one_device_mesh, tmp_pat
   assert [e.call for e in events if e.call] == []
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_packed_run_compiles_nothing_after_the_first_step(small, one_device_mesh, tmp_path):
   """rl.micro_batch_tokens: the compile set holds the packed update's programs
   (each batch at each prompt bucket x each micro-batch-count bucket of the token
@@ -186,6 +189,7 @@ def test_compile_after_start_is_counted_and_named(caplog):
   assert "step 7" in caplog.text and "doubler f32[3,5]" in caplog.text
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_a_set_over_the_map_budget_stops_early_and_names_the_fields(monkeypatch):
   """XLA's CPU backend maps each kernel of a loaded program; a set that would
   pass vm.max_map_count (the tiny engine run's 278 programs died at 272 with

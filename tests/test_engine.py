@@ -96,6 +96,7 @@ def teacher_forced(params, cfg, out, temperature):
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_engine_equals_static_one_device(tiny, mode):
   """12 rows through 4 slots (refills), windows of 4 steps, chunked prefill, rows
   stopping at different lengths: the static sampler's rows; log-probs == teacher

@@ -91,6 +91,7 @@ def spy_windows(eng):
     pytest.param("float32", "greedy", marks=pytest.mark.slow),
     pytest.param("bfloat16", "sampled", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_pallas_engine_equals_static(dtype, mode):
   params, cfg, prompts = tiny(dtype)
   key = jax.random.PRNGKey(5)

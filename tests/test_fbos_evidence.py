@@ -61,6 +61,7 @@ def _assert_same(a, b):
 # ----------------------------------------------------------------------------- the schedule
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_alternate_schedule_trains_epa_on_even_steps_and_ecc_on_odd():
   """state.step decides: step 0 moves the params exactly as an EPA-only update,
   step 1 exactly as an ECC-only one (and the other term's gradient is 0)."""
@@ -133,6 +134,7 @@ def test_two_term_loss_is_w1_L1_over_D1_plus_w2_L2_over_D2(agg):
   assert float(m.terms["ecc"].stats.loss) == pytest.approx(l2 / d2, rel=2e-5, abs=1e-7)
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_per_term_gradients_sum_to_the_step_gradient_and_onpolicy_entropy():
   """grad_norm_<term> is the norm of that term's weighted gradient alone; the
   step's gradient is their sum; entropy_onpolicy leaves the off-policy rows out."""
@@ -312,6 +314,7 @@ def test_the_longest_fap_of_the_tiny_tasks_fits_uncut(char_tok, variant):
   assert templates.PromptBuilder(char_tok, old).fap(ex["prompt"], resp, fb).truncated
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_nothing_is_cut_on_real_steps_with_the_tiny_budget(tmp_path, small, one_device_mesh):
   """A random model's FAPs (garbage answers: the longest feedback there is) on
   the tiny task and budget: fap/truncated_frac is 0 on every step; the same

@@ -157,6 +157,7 @@ def runs(tmp_path_factory, bad_input_runs):
     wait_all([restore], timeout_s=0, check=False)
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_two_processes_match_one_process(runs):
   h0, h1 = runs["hosts"]
   ref = runs["ref"]
@@ -260,6 +261,7 @@ def test_unreachable_coordinator_and_missing_peers_time_out(bad_input_runs):
   assert "did not finish within 4s" in coord_log and "--num_processes" in coord_log, coord_log
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_engine_equals_static_in_two_processes(tmp_path):
   """2 processes x 4 devices, data=8: each process samples its own prompts (3 and 5;
   then 3 and none) with the static sampler and with the continuous engine: the

@@ -150,6 +150,7 @@ def _pad_rows(b, multiple):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_packed_update_equals_padded(case):
   terms, lc, attention = CASES[case]
   cfg = dataclasses.replace(CFG, attention=attention)
@@ -167,6 +168,7 @@ def test_packed_update_equals_padded(case):
   assert moved > 1e-3  # a real step, not two zero gradients
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_packed_update_equals_padded_on_the_8_device_mesh():
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")

@@ -127,6 +127,7 @@ def test_mesh_that_does_not_match_the_topology_names_both_numbers():
 
 
 @needs_libtpu
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_real_head_sizes_compile_and_fit_on_v5p():
   """A 2-layer Qwen3 with real head sizes (and the 151,936-word vocabulary):
   the round-1 sampler and the update compile for 4 v5p chips and fit."""
@@ -441,6 +442,7 @@ def test_split_plan_puts_the_engine_programs_on_the_rollout_side(monkeypatch):
 
 
 @needs_libtpu
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_packed_update_compiles_with_splash_and_the_plan_prints_both_layouts():
   """rl.micro_batch_tokens: the packed update (segment ids through the splash
   kernel) compiles for 4 v5p chips and fits; the roofline prints the padded and

@@ -66,6 +66,7 @@ def test_fap_of_a_failed_math_answer(checkpoint_dir, tmp_path):
     env.close()
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_qwen_checkpoint_trains_exports_and_reloads(checkpoint_dir, tmp_path):
   """--init_from_hf on the real-shape checkpoint: SFT on gold solutions, 2 FBOS
   steps (bf16 compute, float32 master) with math-verify rewards, a checkpoint; then export, transformers

@@ -201,6 +201,7 @@ def test_over_long_prompt_names_the_record(tmp_path):
 # ---------------------------------------------------------------- a quiet console
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_console_is_quiet_and_log_txt_is_complete(tmp_path):
   """Two GRPO steps from the CLI: no absl/orbax INFO lines on the console, the
   full log in WORKDIR/log.txt."""

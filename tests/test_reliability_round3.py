@@ -221,6 +221,7 @@ def test_every_pair_of_boolean_and_choice_fields_is_refused_or_builds(tmp_path):
 
 
 @pytest.mark.parametrize("pair", RUN_A_STEP, ids=lambda p: "+".join(f"{f}={v}" for f, v in p))
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_a_sample_of_the_built_pairs_runs_a_step(pair, tmp_path):
   import numpy as np
   from fbos_jax.rl.trainer import RLTrainer
@@ -446,6 +447,7 @@ def _run_or_dump_stacks(cmd, timeout):
   return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_a_real_full_disk_ends_the_run_with_the_cause_last(tmp_path):
   """Before: on a real full disk the CheckpointSaveError came on line 712 of 1,047,
   followed by ~335 lines of orbax's "Event loop is closed" and, last, an unrelated

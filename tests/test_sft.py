@@ -45,6 +45,7 @@ def test_demonstrations_are_verified_and_corrections_are_faps(tmp_path):
 
 
 @pytest.mark.isolated  # the SFT update's compile: see tests/conftest.py
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_sft_lowers_both_nlls_and_is_cached(tmp_path):
   c, tr = _setup(tmp_path)
   state = tr.init_state()

@@ -19,6 +19,7 @@ SPECS = ["configs/grpo.py:tiny", "configs/grpo.py:tiny,drgrpo", "configs/gfpo.py
 
 
 @pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
 def test_every_config_runs_two_steps(spec, tmp_path, small, one_device_mesh):
   c = small(spec)
   tr = RLTrainer(c, str(tmp_path), mesh=one_device_mesh)
