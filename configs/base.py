@@ -91,10 +91,18 @@ _TINY_RUN = {
     "rl.prompts_per_step": 16, "rl.group_size": 8, "rl.round2_size": 8,
     "rl.epa_max_per_prompt": 8,
     "rl.fixed_row_buckets": True,  # compiles cost more than padded rows at this size
+    # the synchronous loop on the static sampler; the asynchronous one
+    # (rl.rollout_devices > 0 or rl.max_staleness > 0) on the continuous engine, whose
+    # rollout streams the steps through one engine run (next-step prompts into the
+    # slots a step frees): rollout/slot_util 0.96-0.99 on the issue-31 run (4 rollout
+    # devices, eta 1) where the static sampler, draining every batch, gave 0.59-0.72
+    "sampling.engine": "auto",
     # with sampling.engine=continuous: a slot for every row of a round (P*n = P*m =
     # 128), nothing staged, and buckets that pad as the static sampler's do (on a
     # CPU a decode step costs in proportion to rows x positions): rows 16 / 64
-    # (round 2 samples only the failed rollouts' FAPs, ~64) / 128; page tables of
+    # (round 2 samples only the failed rollouts' FAPs, ~64) / 128 per batch shard,
+    # those above the slots per shard cut to them (8 shards: 16; a 4-device rollout
+    # mesh: 16 / 32); page tables of
     # 2 pages (round 1) and of the FAP buckets 128, 256 and 656 plus the 12 new
     # tokens (9, 17, 42 pages of 16); prefill chunks of those prompt buckets. 72
     # engine programs (114 with rl.stream_rounds) where powers of two give 268
@@ -178,6 +186,9 @@ VARIANTS = {
         run=dict(_TINY_RUN, **{
             "data.difficulty": 11, "data.max_difficulty": 16,
             "sampling.max_new_tokens": 18,  # 16 items + EOS, one spare
+            # the static sampler also when asynchronous: its FAPs (up to 960 tokens, 62
+            # pages) pass tiny's engine page buckets
+            "sampling.engine": "static",
             "sampling.prompt_buckets": (32,),
             # the longest FAP (as for tiny): problem 22 + response 18 x 5 = 90 + compact
             # feedback on it 842 + 2 = 956 tokens; 236 with one-character tokens

@@ -305,6 +305,49 @@ def test_window_returns_early_for_a_refill_and_to_shrink(tiny):
   assert srcs[0, :3].tolist() == [0, 0, 4] and final == [4, -1, 2, 3]
 
 
+def test_row_buckets_above_the_slots_per_shard_are_cut_and_never_pad(tiny):
+  """engine.row_buckets (4, 16) with 8 slots on one shard: the buckets are (4, 8), so
+  8 rows that all run to max_new_tokens fill every slot-step of every window
+  (slot_util 1.0; a 16-row bucket would count 8 idle slots per step: 0.5)."""
+  params, cfg = tiny
+  ecfg = E.EngineConfig(slots=8, page_size=4, window=4, prefill_chunk=4, row_buckets=(4, 16),
+                        page_buckets=(6,), prefill_buckets=(4,))
+  eng = E.Engine(cfg, sampling.make_config(**GREEDY), ecfg)
+  assert eng.row_buckets == (4, 8)
+  assert E.pool_layout(ecfg, sampling.make_config(**GREEDY), shards=2).row_buckets == (4,)
+  stats = E.EngineStats()
+  out = eng.sample(params, random_prompts([3, 5, 2, 7, 4, 6, 1, 8], cfg.vocab_size, seed=11),
+                   key=jax.random.PRNGKey(0), stats=stats)
+  assert (out.lengths == R).all()  # no stop token: every row runs its R steps
+  assert stats.tokens == 8 * R and stats.slot_steps == 8 * R and stats.slot_util == 1.0
+
+
+def test_a_window_returns_for_a_refill_while_the_feed_is_open(tiny):
+  """Two slots: A stops after 2 tokens, B runs 12, in windows of up to 8 steps.
+  A's row goes to the callback, which submits C (2 tokens) and closes the feed.
+  While the feed is open the window returns when A stops (its row may start new
+  work), so C decodes beside B and stops a window before B; a closed feed's
+  window would run on to B's 8th step and C would end with B."""
+  params, cfg = tiny
+  prompts = random_prompts([4, 6, 5], cfg.vocab_size, seed=12)
+  ecfg = E.EngineConfig(slots=2, page_size=4, window=8, prefill_chunk=8, row_buckets=(2,),
+                        page_buckets=(6,), prefill_buckets=(8,))
+  feed = E.ListFeed([E.Request(prompts[0], tag="A", max_new_tokens=2),
+                     E.Request(prompts[1], tag="B")], closed=False)
+  rows = {}
+
+  def on_row(row):
+    rows[row.tag] = row
+    if row.tag == "A":
+      feed.submit(E.Request(prompts[2], tag="C", max_new_tokens=2))
+      feed.close()
+
+  E.run(params, cfg, feed, on_row, config=sampling.make_config(**GREEDY), engine_config=ecfg)
+  a, b, c = rows["A"], rows["B"], rows["C"]
+  assert a.last_window == 0 and c.first_window == 1 and b.tokens.size == R
+  assert c.last_window < b.last_window, (c.last_window, b.last_window)
+
+
 # ----------------------------------------------------------------------------- streaming
 
 

@@ -36,9 +36,11 @@ row; while some feed is open and nothing is runnable anywhere, all wait
 
 In-flight weight updates (``fbos_jax/rl/sources.py``): ``params`` may be a
 :class:`~fbos_jax.engine.types.ParamsSource` instead of a param pytree. Its
-``current()`` -> (params, version) is read once per loop iteration, before
-admission (read once, used for the window and for its labels; AReaL's PR #1569
-read it twice); with several processes every process reads it at the same
+``current()`` -> (params, version) is read once per loop iteration, after the
+feed's poll and before admission (read once, used for the window and for its
+labels; AReaL's PR #1569 read it twice): a feed that admits work by the version
+it reads (the staleness rule) never sees a newer version than its rows are
+labelled with; with several processes every process reads it at the same
 iteration, and the source makes them agree on the version. When the version
 changes, rows in flight go on from where they are with the new params: their
 KV cache is kept (``source.kv_mode == "keep_kv"``, PipelineRL) or recomputed
@@ -87,6 +89,16 @@ def bucket_ladder(cap: int, start: int = 1, growth: int = 2) -> tuple:
     out.append(b)
     b *= max(int(growth), 2)
   return tuple(out) + (int(cap),)
+
+
+def cut_row_buckets(row_buckets: Sequence[int], slots_per_shard: int) -> tuple:
+  """The row buckets a shard of ``slots_per_shard`` slots can use: those below it
+  and the slots per shard themselves. A window or prefill call never has more
+  rows per shard than its slots, so a larger bucket only pads (the tiny config's
+  (16, 64, 128) on 4 shards of 32 slots ran every full window at 64 rows per
+  shard, half of them idle)."""
+  sps = int(slots_per_shard)
+  return tuple(sorted({min(int(b), sps) for b in row_buckets}))
 
 
 def _bucket(n: int, bks: Sequence[int], what: str, field: str) -> int:
@@ -186,6 +198,7 @@ def pool_layout(e: EngineConfig, s, shards: int = 1, nproc: int = 1) -> PoolLayo
   if max(row_buckets) < sps:
     raise EngineError(f"engine.row_buckets={e.row_buckets} must reach the {sps} slots "
                       "per batch shard.")
+  row_buckets = cut_row_buckets(row_buckets, sps)
   if max(page_buckets) < row_pages:
     raise EngineError(f"engine.page_buckets={e.page_buckets} must reach {row_pages} "
                       "pages (the longest row).")
@@ -417,10 +430,13 @@ class Engine:
       with self._mesh_ctx():
         pool = self._fn("init")()
       while True:
-        if source is not None:  # every row so far is prefilled: swap before admitting
-          params, version, pool = self._swap(source, params, version, pool, rows, stats)
         for req in feed.poll():
           waiting.append(self._check_request(req))
+        # every row so far is prefilled: swap before admitting, after the poll, so that
+        # the rows the feed let in under version v are labelled v or newer (never the
+        # version before an update published while the feed admitted them)
+        if source is not None:
+          params, version, pool = self._swap(source, params, version, pool, rows, stats)
         admitted = self._admit(waiting, rows, pieces, version)
         if admitted:
           stats.refills += 1
@@ -437,7 +453,7 @@ class Engine:
                         max(max(len(rr) - self.sps, 0) for rr in rows),
                         max((len(r.pages) for rr in rows for r in rr), default=0),
                         int(bool(waiting)), int(feed.finished() and not waiting and not live),
-                        live)
+                        live, int(not feed.finished()))
         if pieces or self.nproc > 1:
           pool = self._prefill(params, pool, pieces, stats)
         if g[:, 0].max() == 0:
@@ -539,12 +555,15 @@ class Engine:
 
   def _window_knobs(self, g, rb: int):
     """(min idle slots before a refill, row bucket to shrink to or -1) from the agreed
-    per-shard counts ``g``."""
+    per-shard counts ``g``. A refill pays while requests wait, and while a feed is
+    open (``not feed.finished()``): the rows that stop may start new ones (a
+    verdict starts round-2 rows, a finished step lets the next one in), which then
+    take the freed slots instead of waiting for the window's slowest row."""
     b_global = self.shards * rb
     waiting_any = bool(g[:, 3].any())
     live_global = int(g[:, 5].sum())
     min_idle = (max(1, math.ceil(self.ecfg.refill_fraction * min(live_global, b_global)))
-                if waiting_any else b_global + 1)
+                if waiting_any or g[:, 6].any() else b_global + 1)
     smaller = [x for x in self.row_buckets if x < rb]
     shrink_to = max(smaller) if (self.ecfg.shrink and not waiting_any and smaller) else -1
     return min_idle, shrink_to

@@ -36,8 +36,9 @@ class EngineConfig:
   swaps_per_step: the most staged rows a shard's idle slots take per decode step
     (on the XLA path each costs a copy of one row's cache inside the window).
   refill_fraction: a window returns early once this share of its rows has stopped
-    with no staged row left to take while requests are waiting (the refill pays);
-    1.0 = never early.
+    with no staged row left to take while requests are waiting or the feed is
+    still open (its finished rows may start new ones: the refill pays); 1.0 =
+    never early.
   shrink: a window also returns early once its rows fit the next smaller row
     bucket (no request waiting: the tail runs on a smaller batch).
   prefill_chunk: the most prompt tokens of one prompt per prefill call; longer
@@ -45,7 +46,8 @@ class EngineConfig:
   max_prompt_len: the longest prompt (sizes the pool); 0 = the largest of
     SamplingConfig.prompt_buckets.
   row_buckets: rows per batch shard a window may have; () = powers of two up to
-    slots / shards.
+    slots / shards. Sizes above slots / shards become slots / shards (a shard
+    never runs more rows than its slots; a larger bucket would only pad).
   page_buckets: page-table widths of a window / prefill; () = powers of two up to
     the pages of the longest row.
   prefill_buckets: chunk lengths of a prefill call; () = powers of two from 16 up
