@@ -236,7 +236,8 @@ def test_sampling_engine_auto_streams_when_asynchronous():
     assert config_lib.build_parts(load(**over), eos_id=1).sampling.engine == "continuous"
   assert config_lib.resolve_engine("static", True) == "static"
   assert config_lib.resolve_engine("continuous", False) == "continuous"
-  with pytest.raises(ValueError, match=r"sampling\.engine='auto' samples with the static"):
+  with pytest.raises(ValueError, match=r"sampling\.engine='static' \(sampling\.engine='auto' in "
+                                       r"the synchronous loop\)"):
     config_lib.validate(load(**{"rl.stream_rounds": True}), 1, process_count=1)
   config_lib.validate(load(**{"rl.stream_rounds": True, "rl.max_staleness": 1}), 1,
                       process_count=1)

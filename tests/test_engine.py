@@ -322,6 +322,33 @@ def test_row_buckets_above_the_slots_per_shard_are_cut_and_never_pad(tiny):
   assert stats.tokens == 8 * R and stats.slot_steps == 8 * R and stats.slot_util == 1.0
 
 
+def test_min_fill_runs_a_window_at_a_bucket_its_rows_fill_and_defers_the_rest(tiny):
+  """engine.min_fill=0.9, buckets (4, 8) on one shard of 8 slots: 5 rows fill 8 slots
+  to 0.625 and 4 to 1.0, so each window runs 4 rows (slot_steps = 4 x steps) and the
+  fifth waits for a later window; the rows equal those of min_fill=0 (every row in
+  one 8-row window), whose first window counts 8 slots per step."""
+  params, cfg = tiny
+  prompts = random_prompts([3, 5, 2, 7, 4], cfg.vocab_size, seed=13)
+  kw = dict(slots=8, page_size=4, window=4, prefill_chunk=4, row_buckets=(4, 8),
+            page_buckets=(6,), prefill_buckets=(4,))
+  out, stats = {}, {}
+  for fill in (0.0, 0.9):
+    rows, st = [], E.EngineStats()
+    feed = E.ListFeed([E.Request(p, key=np.zeros(2, np.uint32), sid_base=i, tag=i,
+                                 max_new_tokens=4 + 2 * i) for i, p in enumerate(prompts)])
+    E.run(params, cfg, feed, rows.append, config=sampling.make_config(**SAMPLED),
+          engine_config=E.EngineConfig(min_fill=fill, **kw), stats=st)
+    out[fill], stats[fill] = {r.tag: r for r in rows}, st
+  assert stats[0.9].slot_steps == 4 * stats[0.9].decode_steps
+  assert stats[0.0].slot_steps > 4 * stats[0.0].decode_steps
+  assert out[0.9][4].first_window > 0 and out[0.0][4].first_window == 0
+  for i in range(len(prompts)):
+    np.testing.assert_array_equal(out[0.9][i].tokens, out[0.0][i].tokens)
+    np.testing.assert_allclose(out[0.9][i].logprobs, out[0.0][i].logprobs, atol=1e-5)
+  with pytest.raises(E.EngineError, match="engine.min_fill=1.5"):
+    E.EngineConfig(min_fill=1.5).validate()
+
+
 def test_a_window_returns_for_a_refill_while_the_feed_is_open(tiny):
   """Two slots: A stops after 2 tokens, B runs 12, in windows of up to 8 steps.
   A's row goes to the callback, which submits C (2 tokens) and closes the feed.

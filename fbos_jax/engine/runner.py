@@ -453,7 +453,8 @@ class Engine:
                         max(max(len(rr) - self.sps, 0) for rr in rows),
                         max((len(r.pages) for rr in rows for r in rr), default=0),
                         int(bool(waiting)), int(feed.finished() and not waiting and not live),
-                        live, int(not feed.finished()))
+                        live, int(not feed.finished()),
+                        *(sum(min(len(rr), self.sps, b) for rr in rows) for b in self.row_buckets))
         if pieces or self.nproc > 1:
           pool = self._prefill(params, pool, pieces, stats)
         if g[:, 0].max() == 0:
@@ -534,8 +535,8 @@ class Engine:
       a["bias"][k] = r.bias
 
   def _window_inputs(self, rows, rb: int, qb: int, pb: int):
-    """Each shard's first ``sps`` rows into slots (``rb`` per shard), the next ``qb``
-    staged: (slot arrays, staged arrays, live [n], staged count [shards],
+    """Each shard's first ``rb`` rows into its slots, the next ``qb`` staged (the
+    rest wait): (slot arrays, staged arrays, live [n], staged count [shards],
     slot index -> row, staged index -> row)."""
     sa, qa = self._window_arrays(self.local_shards * rb, pb), self._window_arrays(
         self.local_shards * qb, pb)
@@ -543,15 +544,29 @@ class Engine:
     count = np.zeros((self.local_shards,), np.int32)
     slot_rows, staged_rows = {}, {}
     for s, rr in enumerate(rows):
-      for i, r in enumerate(rr[:self.sps]):
+      for i, r in enumerate(rr[:rb]):
         self._fill(sa, s * rb + i, r)
         live[s * rb + i] = True
         slot_rows[s * rb + i] = r
-      for i, r in enumerate(rr[self.sps:self.sps + qb]):
+      for i, r in enumerate(rr[rb:rb + qb]):
         self._fill(qa, s * qb + i, r)
         staged_rows[s * qb + i] = r
-      count[s] = min(max(len(rr) - self.sps, 0), qb)
+      count[s] = min(max(len(rr) - rb, 0), qb)
     return sa, qa, live, count, slot_rows, staged_rows
+
+  def _window_rows(self, g) -> int:
+    """The window's row bucket (rows per shard) from the agreed counts ``g``: the one
+    that holds every shard's slot rows, or with ``engine.min_fill`` > 0 and nothing
+    staged the largest bucket below it whose slots the rows fill to that share
+    (the best-filled one if none does); the rows beyond it wait for a later window."""
+    top = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
+    want = float(self.ecfg.min_fill)
+    if want <= 0 or g[:, 1].max() > 0:
+      return top
+    held = g[:, 7:].sum(0)  # rows each bucket would run, over every shard
+    fills = [(held[i] / (self.shards * b), b) for i, b in enumerate(self.row_buckets) if b <= top]
+    ok = [b for fill, b in fills if fill >= want]
+    return max(ok) if ok else max(fills)[1]
 
   def _window_knobs(self, g, rb: int):
     """(min idle slots before a refill, row bucket to shrink to or -1) from the agreed
@@ -560,7 +575,7 @@ class Engine:
     verdict starts round-2 rows, a finished step lets the next one in), which then
     take the freed slots instead of waiting for the window's slowest row."""
     b_global = self.shards * rb
-    waiting_any = bool(g[:, 3].any())
+    waiting_any = bool(g[:, 3].any()) or rb < g[:, 0].max()  # rows deferred by min_fill
     live_global = int(g[:, 5].sum())
     min_idle = (max(1, math.ceil(self.ecfg.refill_fraction * min(live_global, b_global)))
                 if waiting_any or g[:, 6].any() else b_global + 1)
@@ -572,7 +587,7 @@ class Engine:
     """One window over each shard's first ``sps`` rows (the slots), the rest of its
     rows staged; then the rows' new tokens (each labelled with its row's
     ``kv_version``), finished rows to the callback."""
-    rb = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
+    rb = self._window_rows(g)
     qb = self.qs if g[:, 1].max() > 0 else 0
     pb = _bucket(g[:, 2].max(), self.page_buckets, "page-table width", "engine.page_buckets")
     n = self.local_shards * rb
@@ -607,7 +622,7 @@ class Engine:
     for s in range(len(rows)):
       in_slots = [row_of(int(x)) for x in final[s * rb:(s + 1) * rb] if x >= 0]
       untaken = [staged_rows[s * qb + i] for i in range(int(nxt[s]), int(count[s]))]
-      rest = rows[s][self.sps + qb:]  # admitted beyond this window's staging (not sent)
+      rest = rows[s][rb + qb:]  # admitted beyond this window's slots and staging (not sent)
       rows[s] = [r for r in in_slots + untaken + rest if id(r) not in gone]
     self._retire(finished, window, stats, on_row)
     return pool

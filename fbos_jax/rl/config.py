@@ -666,11 +666,11 @@ def _validate_rl_values(config, errs):
   if rl.dual_clip and not rl.dual_clip > 1:
     errs.append(f"rl.dual_clip={rl.dual_clip}: must be > 1 (e.g. 3.0), or 0 = off")
   engine = config.sampling.engine
-  if (rl.stream_rounds and engine in ENGINES
-      and resolve_engine(engine, _is_async(rl)) != "continuous"):
+  used = resolve_engine(engine, _is_async(rl)) if engine in ENGINES else engine
+  if rl.stream_rounds and used != "continuous":
+    auto = " (sampling.engine='auto' in the synchronous loop)" if engine == "auto" else ""
     errs.append(f"rl.stream_rounds=True streams round 2 into the continuous engine's queue, "
-                f"but sampling.engine={engine!r} samples with the static sampler here; set "
-                "--config.sampling.engine=continuous")
+                f"but sampling.engine={used!r}{auto}; set --config.sampling.engine=continuous")
   if rl.stream_rounds and not rl.round2:
     errs.append("rl.stream_rounds=True streams round 2 beside round 1, but rl.round2=False "
                 "(this algorithm has no round 2), so it would change nothing; drop it")
