@@ -91,11 +91,11 @@ _TINY_RUN = {
     "rl.prompts_per_step": 16, "rl.group_size": 8, "rl.round2_size": 8,
     "rl.epa_max_per_prompt": 8,
     "rl.fixed_row_buckets": True,  # compiles cost more than padded rows at this size
-    # the synchronous loop on the static sampler; the asynchronous one
-    # (rl.rollout_devices > 0 or rl.max_staleness > 0) on the continuous engine, whose
-    # rollout streams the steps through one engine run (next-step prompts into the
-    # slots a step frees): rollout/slot_util 0.96-0.99 on the issue-31 run (4 rollout
-    # devices, eta 1) where the static sampler, draining every batch, gave 0.59-0.72
+    # eta = 0 (synchronous, or split: bit for bit the same) on the static sampler;
+    # rl.max_staleness > 0 on the continuous engine, whose rollout streams the steps
+    # through one engine run (next-step prompts into the slots a step frees):
+    # rollout/slot_util 0.89-0.96 on issue 31's command (4 rollout devices, eta 1)
+    # where the static sampler, draining every batch, gave 0.59-0.72
     "sampling.engine": "auto",
     # with sampling.engine=continuous: a slot for every row of a round (P*n = P*m =
     # 128), nothing staged, and buckets that pad as the static sampler's do (on a
@@ -195,7 +195,7 @@ VARIANTS = {
         run=dict(_TINY_RUN, **{
             "data.difficulty": 11, "data.max_difficulty": 16,
             "sampling.max_new_tokens": 18,  # 16 items + EOS, one spare
-            # the static sampler also when asynchronous: its FAPs (up to 960 tokens, 62
+            # the static sampler also at rl.max_staleness > 0: its FAPs (up to 960 tokens, 62
             # pages) pass tiny's engine page buckets
             "sampling.engine": "static",
             "sampling.prompt_buckets": (32,),

@@ -224,20 +224,21 @@ def test_rows_a_feed_admits_are_labelled_with_the_version_it_admitted_them_under
   assert all((r.versions == 1).all() for r in rows), [r.versions.tolist() for r in rows]
 
 
-def test_sampling_engine_auto_streams_when_asynchronous():
-  """sampling.engine=auto (the tiny config's): the continuous engine for the
-  asynchronous loop (its rollout streams the steps), the static sampler for the
-  synchronous one; rl.stream_rounds needs the engine, so auto refuses it only
-  where it means static."""
+def test_sampling_engine_auto_streams_when_the_rollout_samples_ahead():
+  """sampling.engine=auto (the tiny config's): the continuous engine when eta > 0
+  (the rollout streams the steps), the static sampler at eta = 0, split or not
+  (bit for bit the synchronous run); rl.stream_rounds needs the engine, so auto
+  refuses it only where it means static."""
   load = lambda **o: configs.load("configs/fbos.py:tiny", o)
   assert load().sampling.engine == "auto"
-  assert config_lib.build_parts(load(), eos_id=1).sampling.engine == "static"
-  for over in ({"rl.rollout_devices": 4}, {"rl.max_staleness": 1}):
+  for over in ({}, {"rl.rollout_devices": 4}):
+    assert config_lib.build_parts(load(**over), eos_id=1).sampling.engine == "static"
+  for over in ({"rl.max_staleness": 1}, {"rl.rollout_devices": 4, "rl.max_staleness": 2}):
     assert config_lib.build_parts(load(**over), eos_id=1).sampling.engine == "continuous"
   assert config_lib.resolve_engine("static", True) == "static"
   assert config_lib.resolve_engine("continuous", False) == "continuous"
-  with pytest.raises(ValueError, match=r"sampling\.engine='static' \(sampling\.engine='auto' in "
-                                       r"the synchronous loop\)"):
+  with pytest.raises(ValueError, match=r"sampling\.engine='static' \(sampling\.engine='auto' at "
+                                       r"rl\.max_staleness=0\)"):
     config_lib.validate(load(**{"rl.stream_rounds": True}), 1, process_count=1)
   config_lib.validate(load(**{"rl.stream_rounds": True, "rl.max_staleness": 1}), 1,
                       process_count=1)
