@@ -91,17 +91,34 @@ _TINY_RUN = {
     "rl.prompts_per_step": 16, "rl.group_size": 8, "rl.round2_size": 8,
     "rl.epa_max_per_prompt": 8,
     "rl.fixed_row_buckets": True,  # compiles cost more than padded rows at this size
+    # eta = 0 (synchronous, or split: bit for bit the same) on the static sampler;
+    # rl.max_staleness > 0 on the continuous engine, whose rollout streams the steps
+    # through one engine run (next-step prompts into the slots a step frees):
+    # rollout/slot_util 0.89-0.96 on issue 31's command (4 rollout devices, eta 1)
+    # where the static sampler, draining every batch, gave 0.59-0.72
+    "sampling.engine": "auto",
     # with sampling.engine=continuous: a slot for every row of a round (P*n = P*m =
     # 128), nothing staged, and buckets that pad as the static sampler's do (on a
     # CPU a decode step costs in proportion to rows x positions): rows 16 / 64
-    # (round 2 samples only the failed rollouts' FAPs, ~64) / 128; page tables of
+    # (round 2 samples only the failed rollouts' FAPs, ~64) / 128 per batch shard,
+    # those above the slots per shard cut to them (8 shards: 16; a 4-device rollout
+    # mesh: 16 / 32); page tables of
     # 2 pages (round 1) and of the FAP buckets 128, 256 and 656 plus the 12 new
     # tokens (9, 17, 42 pages of 16); prefill chunks of those prompt buckets. 72
     # engine programs (114 with rl.stream_rounds) where powers of two give 268
     # (562), whose loaded kernels pass the CPU's vm.max_map_count
     # (fbos_jax/compile_set.py:MapBudget); with one 128-row bucket and 8x steps
     # elsewhere (43 programs) round 2 took 5x the static sampler's time.
-    "engine.slots": 128, "engine.staged": 0, "engine.row_buckets": (16, 64, 128),
+    # In the asynchronous loop (eta 1, the trainer the slower side) a step's rows
+    # are fewer than the slots, so what wastes slot-steps is padding: a window at
+    # the 32-row bucket with 20 rows on a shard. engine.min_fill runs a window at
+    # the largest bucket its rows fill to 90% and lets the rest wait (a CPU step
+    # costs in proportion to its rows); 4 and 8 give the tail small buckets.
+    # rollout/slot_util on the issue-31 command (4 rollout devices, eta 1, 8 steps):
+    # 0.34-0.37 before; 0.68-0.74 with the buckets cut to 32 and refills while the
+    # stream is open; 0.90-0.95 with these (134 rollout engine programs, was 68).
+    "engine.slots": 128, "engine.staged": 0, "engine.row_buckets": (4, 8, 16, 64, 128),
+    "engine.min_fill": 0.9,
     "engine.page_buckets": (2, 9, 17, 42), "engine.prefill_chunk": 656,
     "engine.prefill_buckets": (16, 128, 256, 656), "engine.bucket_growth": 8,  # page copies
     # Adam's step (about lr per coordinate) must stay inside the small region
@@ -178,6 +195,9 @@ VARIANTS = {
         run=dict(_TINY_RUN, **{
             "data.difficulty": 11, "data.max_difficulty": 16,
             "sampling.max_new_tokens": 18,  # 16 items + EOS, one spare
+            # the static sampler also at rl.max_staleness > 0: its FAPs (up to 960 tokens, 62
+            # pages) pass tiny's engine page buckets
+            "sampling.engine": "static",
             "sampling.prompt_buckets": (32,),
             # the longest FAP (as for tiny): problem 22 + response 18 x 5 = 90 + compact
             # feedback on it 842 + 2 = 956 tokens; 236 with one-character tokens

@@ -197,6 +197,56 @@ def test_keep_kv_labels_each_row_with_the_oldest_version_of_its_kv():
   assert np.abs(out.logprobs[drawn_by_1] - tf0[drawn_by_1]).max() > 1e-2
 
 
+def test_rows_a_feed_admits_are_labelled_with_the_version_it_admitted_them_under():
+  """The trainer publishes version 1 while the feed polls (the stream's staleness
+  rule reads the store's version there): the rows that poll admits are labelled
+  1, never the version the engine held before the poll (labelled 0, a row of
+  batch k admitted under version k - eta would read eta + 1 updates old)."""
+  from fbos_jax import engine as E
+  from fbos_jax import sampling
+  (pa, cfg), (pb, _) = _tiny_model(0), _tiny_model(1)
+  store = sources.PolicyStore("keep_kv")
+  store.publish(pa, 0)
+  prompts = [[5, 6, 7], [8, 9]]
+
+  class Publishing(E.ListFeed):
+    def poll(self):
+      if store.current()[1] == 0:
+        store.publish(pb, 1)  # the update lands while the feed admits its requests
+      return super().poll()
+
+  feed = Publishing([E.Request(p, n=2, key=np.zeros(2, np.uint32), sid_base=2 * i, tag=i)
+                     for i, p in enumerate(prompts)])
+  rows = []
+  E.run(store, cfg, feed, rows.append, max_new_tokens=4, prompt_buckets=(4,),
+        batch_buckets=(4,), temperature=0.8,
+        engine_config=E.EngineConfig(slots=4, page_size=4, window=4, row_buckets=(4,)))
+  assert len(rows) == 4
+  assert all((r.versions == 1).all() for r in rows), [r.versions.tolist() for r in rows]
+
+
+def test_sampling_engine_auto_streams_when_the_rollout_samples_ahead():
+  """sampling.engine=auto (the tiny config's): the continuous engine when eta > 0
+  (the rollout streams the steps), the static sampler at eta = 0, split or not
+  (bit for bit the synchronous run); rl.stream_rounds needs the engine, so auto
+  refuses it only where it means static."""
+  load = lambda **o: configs.load("configs/fbos.py:tiny", o)
+  assert load().sampling.engine == "auto"
+  for over in ({}, {"rl.rollout_devices": 4}):
+    assert config_lib.build_parts(load(**over), eos_id=1).sampling.engine == "static"
+  for over in ({"rl.max_staleness": 1}, {"rl.rollout_devices": 4, "rl.max_staleness": 2}):
+    assert config_lib.build_parts(load(**over), eos_id=1).sampling.engine == "continuous"
+  assert config_lib.resolve_engine("static", True) == "static"
+  assert config_lib.resolve_engine("continuous", False) == "continuous"
+  with pytest.raises(ValueError, match=r"sampling\.engine='static' \(sampling\.engine='auto' at "
+                                       r"rl\.max_staleness=0\)"):
+    config_lib.validate(load(**{"rl.stream_rounds": True}), 1, process_count=1)
+  config_lib.validate(load(**{"rl.stream_rounds": True, "rl.max_staleness": 1}), 1,
+                      process_count=1)
+  with pytest.raises(ValueError, match=r"sampling\.engine='fast': expected one of static"):
+    config_lib.build_parts(load(**{"sampling.engine": "fast"}), eos_id=1)
+
+
 def test_the_decoupled_loss_reads_the_per_token_behaviour_logprobs():
   """Rows sampled across an in-flight update (versions 0 then 1): the batch's
   old_logp is pi_behav per token, the sampler's log-prob under the version that

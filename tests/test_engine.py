@@ -306,6 +306,76 @@ def test_window_returns_early_for_a_refill_and_to_shrink(tiny):
   assert srcs[0, :3].tolist() == [0, 0, 4] and final == [4, -1, 2, 3]
 
 
+def test_row_buckets_above_the_slots_per_shard_are_cut_and_never_pad(tiny):
+  """engine.row_buckets (4, 16) with 8 slots on one shard: the buckets are (4, 8), so
+  8 rows that all run to max_new_tokens fill every slot-step of every window
+  (slot_util 1.0; a 16-row bucket would count 8 idle slots per step: 0.5)."""
+  params, cfg = tiny
+  ecfg = E.EngineConfig(slots=8, page_size=4, window=4, prefill_chunk=4, row_buckets=(4, 16),
+                        page_buckets=(6,), prefill_buckets=(4,))
+  eng = E.Engine(cfg, sampling.make_config(**GREEDY), ecfg)
+  assert eng.row_buckets == (4, 8)
+  assert E.pool_layout(ecfg, sampling.make_config(**GREEDY), shards=2).row_buckets == (4,)
+  stats = E.EngineStats()
+  out = eng.sample(params, random_prompts([3, 5, 2, 7, 4, 6, 1, 8], cfg.vocab_size, seed=11),
+                   key=jax.random.PRNGKey(0), stats=stats)
+  assert (out.lengths == R).all()  # no stop token: every row runs its R steps
+  assert stats.tokens == 8 * R and stats.slot_steps == 8 * R and stats.slot_util == 1.0
+
+
+def test_min_fill_runs_a_window_at_a_bucket_its_rows_fill_and_defers_the_rest(tiny):
+  """engine.min_fill=0.9, buckets (4, 8) on one shard of 8 slots: 5 rows fill 8 slots
+  to 0.625 and 4 to 1.0, so each window runs 4 rows (slot_steps = 4 x steps) and the
+  fifth waits for a later window; the rows equal those of min_fill=0 (every row in
+  one 8-row window), whose first window counts 8 slots per step."""
+  params, cfg = tiny
+  prompts = random_prompts([3, 5, 2, 7, 4], cfg.vocab_size, seed=13)
+  kw = dict(slots=8, page_size=4, window=4, prefill_chunk=4, row_buckets=(4, 8),
+            page_buckets=(6,), prefill_buckets=(4,))
+  out, stats = {}, {}
+  for fill in (0.0, 0.9):
+    rows, st = [], E.EngineStats()
+    feed = E.ListFeed([E.Request(p, key=np.zeros(2, np.uint32), sid_base=i, tag=i,
+                                 max_new_tokens=4 + 2 * i) for i, p in enumerate(prompts)])
+    E.run(params, cfg, feed, rows.append, config=sampling.make_config(**SAMPLED),
+          engine_config=E.EngineConfig(min_fill=fill, **kw), stats=st)
+    out[fill], stats[fill] = {r.tag: r for r in rows}, st
+  assert stats[0.9].slot_steps == 4 * stats[0.9].decode_steps
+  assert stats[0.0].slot_steps > 4 * stats[0.0].decode_steps
+  assert out[0.9][4].first_window > 0 and out[0.0][4].first_window == 0
+  for i in range(len(prompts)):
+    np.testing.assert_array_equal(out[0.9][i].tokens, out[0.0][i].tokens)
+    np.testing.assert_allclose(out[0.9][i].logprobs, out[0.0][i].logprobs, atol=1e-5)
+  with pytest.raises(E.EngineError, match="engine.min_fill=1.5"):
+    E.EngineConfig(min_fill=1.5).validate()
+
+
+def test_a_window_returns_for_a_refill_while_the_feed_is_open(tiny):
+  """Two slots: A stops after 2 tokens, B runs 12, in windows of up to 8 steps.
+  A's row goes to the callback, which submits C (2 tokens) and closes the feed.
+  While the feed is open the window returns when A stops (its row may start new
+  work), so C decodes beside B and stops a window before B; a closed feed's
+  window would run on to B's 8th step and C would end with B."""
+  params, cfg = tiny
+  prompts = random_prompts([4, 6, 5], cfg.vocab_size, seed=12)
+  ecfg = E.EngineConfig(slots=2, page_size=4, window=8, prefill_chunk=8, row_buckets=(2,),
+                        page_buckets=(6,), prefill_buckets=(8,))
+  feed = E.ListFeed([E.Request(prompts[0], tag="A", max_new_tokens=2),
+                     E.Request(prompts[1], tag="B")], closed=False)
+  rows = {}
+
+  def on_row(row):
+    rows[row.tag] = row
+    if row.tag == "A":
+      feed.submit(E.Request(prompts[2], tag="C", max_new_tokens=2))
+      feed.close()
+
+  E.run(params, cfg, feed, on_row, config=sampling.make_config(**GREEDY), engine_config=ecfg)
+  a, b, c = rows["A"], rows["B"], rows["C"]
+  assert a.last_window == 0 and c.first_window == 1 and b.tokens.size == R
+  assert c.last_window < b.last_window, (c.last_window, b.last_window)
+
+
 # ----------------------------------------------------------------------------- streaming
 
 

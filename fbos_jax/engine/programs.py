@@ -34,9 +34,9 @@ the next staged row of its shard (already prefilled; at most
 made each slot-step's token (b: the row in slot b at the start; B + k: staged
 row k; -1: idle). The loop ends after W steps, when no slot is live, once
 ``min_idle`` slots are idle with no staged row left for them (a refill pays:
-the host passes B + 1 when no request waits), or once the staged rows are all
-taken and every shard's live slots fit ``shrink_to`` rows (the next smaller
-row bucket; -1 = off).
+the host passes B + 1 when no request waits and the feed is finished), or once
+the staged rows are all taken and every shard's live slots fit ``shrink_to``
+rows (the next smaller row bucket; -1 = off).
 
 Attention: with the Pallas kernel (TPU; ``pallas_interpret``: the same kernel
 in the Pallas TPU interpreter on CPU, for tests) every step writes the new

@@ -36,9 +36,11 @@ row; while some feed is open and nothing is runnable anywhere, all wait
 
 In-flight weight updates (``fbos_jax/rl/sources.py``): ``params`` may be a
 :class:`~fbos_jax.engine.types.ParamsSource` instead of a param pytree. Its
-``current()`` -> (params, version) is read once per loop iteration, before
-admission (read once, used for the window and for its labels; AReaL's PR #1569
-read it twice); with several processes every process reads it at the same
+``current()`` -> (params, version) is read once per loop iteration, after the
+feed's poll and before admission (read once, used for the window and for its
+labels; AReaL's PR #1569 read it twice): a feed that admits work by the version
+it reads (the staleness rule) never sees a newer version than its rows are
+labelled with; with several processes every process reads it at the same
 iteration, and the source makes them agree on the version. When the version
 changes, rows in flight go on from where they are with the new params: their
 KV cache is kept (``source.kv_mode == "keep_kv"``, PipelineRL) or recomputed
@@ -87,6 +89,16 @@ def bucket_ladder(cap: int, start: int = 1, growth: int = 2) -> tuple:
     out.append(b)
     b *= max(int(growth), 2)
   return tuple(out) + (int(cap),)
+
+
+def cut_row_buckets(row_buckets: Sequence[int], slots_per_shard: int) -> tuple:
+  """The row buckets a shard of ``slots_per_shard`` slots can use: those below it
+  and the slots per shard themselves. A window or prefill call never has more
+  rows per shard than its slots, so a larger bucket only pads (the tiny config's
+  (16, 64, 128) on 4 shards of 32 slots ran every full window at 64 rows per
+  shard, half of them idle)."""
+  sps = int(slots_per_shard)
+  return tuple(sorted({min(int(b), sps) for b in row_buckets}))
 
 
 def _bucket(n: int, bks: Sequence[int], what: str, field: str) -> int:
@@ -186,6 +198,7 @@ def pool_layout(e: EngineConfig, s, shards: int = 1, nproc: int = 1) -> PoolLayo
   if max(row_buckets) < sps:
     raise EngineError(f"engine.row_buckets={e.row_buckets} must reach the {sps} slots "
                       "per batch shard.")
+  row_buckets = cut_row_buckets(row_buckets, sps)
   if max(page_buckets) < row_pages:
     raise EngineError(f"engine.page_buckets={e.page_buckets} must reach {row_pages} "
                       "pages (the longest row).")
@@ -417,10 +430,13 @@ class Engine:
       with self._mesh_ctx():
         pool = self._fn("init")()
       while True:
-        if source is not None:  # every row so far is prefilled: swap before admitting
-          params, version, pool = self._swap(source, params, version, pool, rows, stats)
         for req in feed.poll():
           waiting.append(self._check_request(req))
+        # every row so far is prefilled: swap before admitting, after the poll, so that
+        # the rows the feed let in under version v are labelled v or newer (never the
+        # version before an update published while the feed admitted them)
+        if source is not None:
+          params, version, pool = self._swap(source, params, version, pool, rows, stats)
         admitted = self._admit(waiting, rows, pieces, version)
         if admitted:
           stats.refills += 1
@@ -437,7 +453,8 @@ class Engine:
                         max(max(len(rr) - self.sps, 0) for rr in rows),
                         max((len(r.pages) for rr in rows for r in rr), default=0),
                         int(bool(waiting)), int(feed.finished() and not waiting and not live),
-                        live)
+                        live, int(not feed.finished()),
+                        *(sum(min(len(rr), self.sps, b) for rr in rows) for b in self.row_buckets))
         if pieces or self.nproc > 1:
           pool = self._prefill(params, pool, pieces, stats)
         if g[:, 0].max() == 0:
@@ -518,8 +535,8 @@ class Engine:
       a["bias"][k] = r.bias
 
   def _window_inputs(self, rows, rb: int, qb: int, pb: int):
-    """Each shard's first ``sps`` rows into slots (``rb`` per shard), the next ``qb``
-    staged: (slot arrays, staged arrays, live [n], staged count [shards],
+    """Each shard's first ``rb`` rows into its slots, the next ``qb`` staged (the
+    rest wait): (slot arrays, staged arrays, live [n], staged count [shards],
     slot index -> row, staged index -> row)."""
     sa, qa = self._window_arrays(self.local_shards * rb, pb), self._window_arrays(
         self.local_shards * qb, pb)
@@ -527,24 +544,41 @@ class Engine:
     count = np.zeros((self.local_shards,), np.int32)
     slot_rows, staged_rows = {}, {}
     for s, rr in enumerate(rows):
-      for i, r in enumerate(rr[:self.sps]):
+      for i, r in enumerate(rr[:rb]):
         self._fill(sa, s * rb + i, r)
         live[s * rb + i] = True
         slot_rows[s * rb + i] = r
-      for i, r in enumerate(rr[self.sps:self.sps + qb]):
+      for i, r in enumerate(rr[rb:rb + qb]):
         self._fill(qa, s * qb + i, r)
         staged_rows[s * qb + i] = r
-      count[s] = min(max(len(rr) - self.sps, 0), qb)
+      count[s] = min(max(len(rr) - rb, 0), qb)
     return sa, qa, live, count, slot_rows, staged_rows
+
+  def _window_rows(self, g) -> int:
+    """The window's row bucket (rows per shard) from the agreed counts ``g``: the one
+    that holds every shard's slot rows, or with ``engine.min_fill`` > 0 and nothing
+    staged the largest bucket below it whose slots the rows fill to that share
+    (the best-filled one if none does); the rows beyond it wait for a later window."""
+    top = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
+    want = float(self.ecfg.min_fill)
+    if want <= 0 or g[:, 1].max() > 0:
+      return top
+    held = g[:, 7:].sum(0)  # rows each bucket would run, over every shard
+    fills = [(held[i] / (self.shards * b), b) for i, b in enumerate(self.row_buckets) if b <= top]
+    ok = [b for fill, b in fills if fill >= want]
+    return max(ok) if ok else max(fills)[1]
 
   def _window_knobs(self, g, rb: int):
     """(min idle slots before a refill, row bucket to shrink to or -1) from the agreed
-    per-shard counts ``g``."""
+    per-shard counts ``g``. A refill pays while requests wait, and while a feed is
+    open (``not feed.finished()``): the rows that stop may start new ones (a
+    verdict starts round-2 rows, a finished step lets the next one in), which then
+    take the freed slots instead of waiting for the window's slowest row."""
     b_global = self.shards * rb
-    waiting_any = bool(g[:, 3].any())
+    waiting_any = bool(g[:, 3].any()) or rb < g[:, 0].max()  # rows deferred by min_fill
     live_global = int(g[:, 5].sum())
     min_idle = (max(1, math.ceil(self.ecfg.refill_fraction * min(live_global, b_global)))
-                if waiting_any else b_global + 1)
+                if waiting_any or g[:, 6].any() else b_global + 1)
     smaller = [x for x in self.row_buckets if x < rb]
     shrink_to = max(smaller) if (self.ecfg.shrink and not waiting_any and smaller) else -1
     return min_idle, shrink_to
@@ -553,7 +587,7 @@ class Engine:
     """One window over each shard's first ``sps`` rows (the slots), the rest of its
     rows staged; then the rows' new tokens (each labelled with its row's
     ``kv_version``), finished rows to the callback."""
-    rb = _bucket(g[:, 0].max(), self.row_buckets, "window rows", "engine.row_buckets")
+    rb = self._window_rows(g)
     qb = self.qs if g[:, 1].max() > 0 else 0
     pb = _bucket(g[:, 2].max(), self.page_buckets, "page-table width", "engine.page_buckets")
     n = self.local_shards * rb
@@ -588,7 +622,7 @@ class Engine:
     for s in range(len(rows)):
       in_slots = [row_of(int(x)) for x in final[s * rb:(s + 1) * rb] if x >= 0]
       untaken = [staged_rows[s * qb + i] for i in range(int(nxt[s]), int(count[s]))]
-      rest = rows[s][self.sps + qb:]  # admitted beyond this window's staging (not sent)
+      rest = rows[s][rb + qb:]  # admitted beyond this window's slots and staging (not sent)
       rows[s] = [r for r in in_slots + untaken + rest if id(r) not in gone]
     self._retire(finished, window, stats, on_row)
     return pool

@@ -36,16 +36,24 @@ class EngineConfig:
   swaps_per_step: the most staged rows a shard's idle slots take per decode step
     (on the XLA path each costs a copy of one row's cache inside the window).
   refill_fraction: a window returns early once this share of its rows has stopped
-    with no staged row left to take while requests are waiting (the refill pays);
-    1.0 = never early.
+    with no staged row left to take while requests are waiting or the feed is
+    still open (its finished rows may start new ones: the refill pays); 1.0 =
+    never early.
   shrink: a window also returns early once its rows fit the next smaller row
     bucket (no request waiting: the tail runs on a smaller batch).
+  min_fill: 0 = every window holds all its shards' rows (the row bucket above the
+    fullest shard: on an accelerator a decode step costs about the same at fewer
+    rows); > 0 = a window runs at the largest row bucket up to that one whose
+    slots the rows fill to at least this share, and the rows beyond it wait for a
+    later window (on a CPU a step costs in proportion to its rows, so an idle
+    slot costs what a row does). Not with staged rows waiting.
   prefill_chunk: the most prompt tokens of one prompt per prefill call; longer
     prompts are prefilled in chunks (each attends to the pages of the earlier ones).
   max_prompt_len: the longest prompt (sizes the pool); 0 = the largest of
     SamplingConfig.prompt_buckets.
   row_buckets: rows per batch shard a window may have; () = powers of two up to
-    slots / shards.
+    slots / shards. Sizes above slots / shards become slots / shards (a shard
+    never runs more rows than its slots; a larger bucket would only pad).
   page_buckets: page-table widths of a window / prefill; () = powers of two up to
     the pages of the longest row.
   prefill_buckets: chunk lengths of a prefill call; () = powers of two from 16 up
@@ -70,6 +78,7 @@ class EngineConfig:
   swaps_per_step: int = 4
   refill_fraction: float = 0.125
   shrink: bool = True
+  min_fill: float = 0.0
   prefill_chunk: int = 512
   max_prompt_len: int = 0
   row_buckets: tuple = ()
@@ -90,6 +99,8 @@ class EngineConfig:
     if int(self.num_pages) < 0 or int(self.max_prompt_len) < 0:
       bad(f"engine.num_pages={self.num_pages} and engine.max_prompt_len="
           f"{self.max_prompt_len} must be >= 0 (0 = derived).")
+    if not 0.0 <= float(self.min_fill) <= 1.0:
+      bad(f"engine.min_fill={self.min_fill} must be in [0, 1] (0 = every row in every window).")
     if not 0.0 < float(self.refill_fraction) <= 1.0:
       bad(f"engine.refill_fraction={self.refill_fraction} must be in (0, 1].")
     if int(self.bucket_growth) < 2 and int(self.bucket_growth) != 0:

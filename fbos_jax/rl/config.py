@@ -186,7 +186,32 @@ class RolloutSpec:
     return self.epa_max_per_prompt if (self.round2 and self.epa_mode == "append") else 0
 
 
-ENGINES = ("static", "continuous")
+ENGINES = ("static", "continuous", "auto")
+
+
+def resolve_engine(engine: str, ahead: bool) -> str:
+  """The sampler a run uses for ``sampling.engine``: ``auto`` is the continuous
+  engine when the rollout may sample ahead of the trainer (``ahead``:
+  ``rl.max_staleness > 0``; its rollout streams the steps through one engine
+  run, so generation never drains between batches, ``fbos_jax/rl/sources.py``)
+  and the static sampler otherwise, so that eta = 0 (split or not) keeps the
+  synchronous run's params bit for bit (the engine's rows equal the static
+  sampler's only up to near-tie flips); static and continuous are themselves."""
+  engine = str(engine)
+  if engine not in ENGINES:
+    raise ValueError(f"sampling.engine={engine!r}: expected one of {' | '.join(ENGINES)}")
+  if engine == "auto":
+    return "continuous" if ahead else "static"
+  return engine
+
+
+def _ahead(rl) -> bool:
+  """Whether ``rl`` lets the rollout sample ahead (eta > 0; a bad value: no, refused
+  by name in validation)."""
+  try:
+    return int(rl.max_staleness) > 0
+  except (TypeError, ValueError):
+    return False
 INFLIGHT_UPDATES = ("keep_kv", "recompute")
 
 
@@ -448,7 +473,7 @@ def _engine_config(section):
 
 
 def _sampling_parts(sampling, *, pad_id: int, stop_ids: tuple, vocab_limit: int,
-                    engine_section=None) -> SamplingParts:
+                    engine_section=None, ahead: bool = False) -> SamplingParts:
   from fbos_jax import sampling as sampling_lib
   batch = tuple(int(b) for b in sampling.batch_buckets) or sampling_lib.DEFAULT_BATCH_BUCKETS
   round1 = sampling_lib.SamplingConfig(
@@ -458,9 +483,7 @@ def _sampling_parts(sampling, *, pad_id: int, stop_ids: tuple, vocab_limit: int,
       prompt_buckets=tuple(int(b) for b in sampling.prompt_buckets), batch_buckets=batch,
       pad_id=int(pad_id), vocab_limit=int(vocab_limit))
   r = dataclasses.replace
-  engine = str(sampling.engine)
-  if engine not in ENGINES:
-    raise ValueError(f"sampling.engine={engine!r}: expected one of {' | '.join(ENGINES)}")
+  engine = resolve_engine(sampling.engine, ahead)
   return SamplingParts(
       round1=round1,
       round2=r(round1, prompt_buckets=tuple(int(b) for b in sampling.fap_prompt_buckets)),
@@ -487,7 +510,8 @@ def build_parts(config, *, pad_id: int = 0, eos_id: Optional[int] = None,
   parts = RunParts(
       model=model,
       sampling=_sampling_parts(sampling, pad_id=pad_id, stop_ids=stop_ids, vocab_limit=limit,
-                               engine_section=config.get("engine")),
+                               engine_section=config.get("engine"),
+                               ahead=_ahead(config.rl)),
       rollout=_rollout_spec(config, rl, update.terms),
       update=update,
       optim=optim_config(config.optim, int(config.train.steps) * update.epochs
@@ -643,10 +667,12 @@ def _validate_rl_values(config, errs):
                 "and eps_high >= 0")
   if rl.dual_clip and not rl.dual_clip > 1:
     errs.append(f"rl.dual_clip={rl.dual_clip}: must be > 1 (e.g. 3.0), or 0 = off")
-  if rl.stream_rounds and config.sampling.engine != "continuous":
+  engine = config.sampling.engine
+  used = resolve_engine(engine, _ahead(rl)) if engine in ENGINES else engine
+  if rl.stream_rounds and used != "continuous":
+    auto = " (sampling.engine='auto' at rl.max_staleness=0)" if engine == "auto" else ""
     errs.append(f"rl.stream_rounds=True streams round 2 into the continuous engine's queue, "
-                f"but sampling.engine={config.sampling.engine!r}; set "
-                "--config.sampling.engine=continuous")
+                f"but sampling.engine={used!r}{auto}; set --config.sampling.engine=continuous")
   if rl.stream_rounds and not rl.round2:
     errs.append("rl.stream_rounds=True streams round 2 beside round 1, but rl.round2=False "
                 "(this algorithm has no round 2), so it would change nothing; drop it")
