@@ -59,7 +59,8 @@ def pytest_pyfunc_call(pyfuncitem):
   import sys
   env = dict(os.environ, FBOS_ISOLATED_CHILD="1")
   r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "--durations=0",
-                      pyfuncitem.nodeid], cwd=str(pyfuncitem.config.rootpath), env=env,
+                      "-m", "", pyfuncitem.nodeid],  # -m "": a slow test is not deselected
+                     cwd=str(pyfuncitem.config.rootpath), env=env,
                      capture_output=True, text=True)
   if r.returncode != 0:
     pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (exit {r.returncode}):\n"

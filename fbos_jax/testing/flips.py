@@ -91,14 +91,15 @@ def near_tie_gaps(params, cfg, prompt_tokens, prompt_mask, tokens, steps, picks,
 
 def assert_same_rows(a, b, params, cfg, *, key=None, n_per_prompt: int = 1,
                      stream_ids: Optional[Sequence[int]] = None, logit_bias=None,
-                     atol: float = 1e-5, tol: float = NEAR_TIE,
+                     atol: float = 1e-5, rtol: float = 1e-7, tol: float = NEAR_TIE,
                      config: Optional[sampling.SamplingConfig] = None, **options) -> list:
   """``a`` and ``b`` (two :class:`~fbos_jax.sampling.SampleOutput` of the same
   prompts under the same sampling options, ``config`` / ``**options`` as for
   ``sampling.sample``) hold the same rows, but for proven near-tie flips (see the
   module docstring). ``key``, ``n_per_prompt``, ``stream_ids`` (global prompt
   index of each prompt; default 0, 1, ...) and ``logit_bias`` [prompts, V] as
-  given to the samplers; ``params`` / ``cfg`` the model they sampled. Returns
+  given to the samplers; ``params`` / ``cfg`` the model they sampled; log-probs
+  compared to ``atol + rtol * |log p|``. Returns
   the :class:`Flip` of every row that differs (raises AssertionError on any other
   difference)."""
   scfg = sampling.make_config(config, **options)
@@ -117,12 +118,13 @@ def assert_same_rows(a, b, params, cfg, *, key=None, n_per_prompt: int = 1,
     diff = np.nonzero(ta[r] != tb[r])[0]
     if diff.size:
       t = int(diff[0])
-      np.testing.assert_allclose(b.logprobs[r, :t], a.logprobs[r, :t], atol=atol,
+      np.testing.assert_allclose(b.logprobs[r, :t], a.logprobs[r, :t], atol=atol, rtol=rtol,
                                  err_msg=f"row {r} before its first differing step {t}")
       flipped.append(r)
       steps.append(t)
       continue
-    np.testing.assert_allclose(b.logprobs[r], a.logprobs[r], atol=atol, err_msg=f"row {r}")
+    np.testing.assert_allclose(b.logprobs[r], a.logprobs[r], atol=atol, rtol=rtol,
+                               err_msg=f"row {r}")
     assert a.lengths[r] == b.lengths[r] and a.stopped[r] == b.stopped[r], f"row {r}"
     np.testing.assert_array_equal(a.response_mask[r], b.response_mask[r], err_msg=f"row {r}")
   if not flipped:
