@@ -232,15 +232,20 @@ def put_process_local(local: np.ndarray, mesh, rules=None) -> jax.Array:
   """Place this process's rows of a [batch, ...] array as a global array sharded
   over the batch axes (``jax.make_array_from_process_local_data``): every host
   contributes its own shard, nothing is gathered to one host."""
-  local = np.asarray(local)
-  spec = batch_spec(local.ndim, rules=rules)
+  return put_process_local_many([local], mesh, rules)[0]
+
+
+def put_process_local_many(locals_: Sequence[np.ndarray], mesh, rules=None) -> list:
+  """:func:`put_process_local` of each array, in one transfer call on one process
+  (a decode window's dozen small inputs: one ``device_put`` instead of twelve)."""
+  locals_ = [np.asarray(x) for x in locals_]
   procs = len({d.process_index for d in mesh.devices.flat})
-  global_rows = local.shape[0] * procs
-  spec = fit_spec(spec, (global_rows,) + local.shape[1:], mesh)
-  sharding = NamedSharding(mesh, spec)
+  shardings = [NamedSharding(mesh, fit_spec(batch_spec(x.ndim, rules=rules),
+                                            (x.shape[0] * procs,) + x.shape[1:], mesh))
+               for x in locals_]
   if procs == 1:
-    return jax.device_put(local, sharding)
-  return jax.make_array_from_process_local_data(sharding, local)
+    return list(jax.device_put(locals_, shardings))
+  return [jax.make_array_from_process_local_data(s, x) for s, x in zip(shardings, locals_)]
 
 
 def local_row_start(x) -> int:

@@ -301,20 +301,33 @@ def _swap_dense(cfg, st: Static, mesh, rules, cache, staged, slot_m, q_m, length
   return tuple(out[:nl]), tuple(out[nl:])
 
 
-def _make_attend_dense(cfg, pos, alive):
+def _write_dense(cfg, mesh, rules, kt, vt, k, v, at):
+  """kt [B, K, Dh, S], vt [B, K, S, Dh] <- k, v [B, K, Dh] at positions ``at`` [B]
+  (out of range: dropped), each batch shard writing its own rows: a scatter over
+  the sharded row axis would otherwise be partitioned as an all-gather of every
+  shard's indices and values, per layer and decode step."""
+  bat, hd = batch_entry(mesh, rules), head_entry(mesh, rules, cfg)
+
+  def local(kt, vt, k, v, at):
+    i = jnp.arange(kt.shape[0], dtype=jnp.int32)
+    return (kt.at[i, :, :, at].set(k.astype(kt.dtype), mode="drop"),
+            vt.at[i, :, at, :].set(v.astype(vt.dtype), mode="drop"))
+
+  cs, ts = P(bat, hd, None, None), P(bat, hd, None)
+  return _shard_mapped(local, mesh, (cs, cs, ts, ts, P(bat)), (cs, cs))(kt, vt, k, v, at)
+
+
+def _make_attend_dense(cfg, mesh, rules, pos, alive):
   """``attend`` over the window's dense cache (a tuple of per-layer (k, v)): write the
   new token of each live row at its position, then the static sampler's dense
   attention with row ``b`` seeing positions ``<= pos[b]``."""
-  b = pos.shape[0]
-  rows_i = jnp.arange(b, dtype=jnp.int32)
 
   def attend(layer, q, k, v, cache):
     ks, vs = cache
     kt, vt = ks[layer], vs[layer]
     s_len = kt.shape[-1]
     at = jnp.where(alive, pos, s_len)  # dead rows: dropped (out-of-bounds scatter)
-    kt = kt.at[rows_i, :, :, at].set(k[:, 0].astype(kt.dtype), mode="drop")
-    vt = vt.at[rows_i, :, at, :].set(v[:, 0].astype(vt.dtype), mode="drop")
+    kt, vt = _write_dense(cfg, mesh, rules, kt, vt, k[:, 0], v[:, 0], at)
     valid = jnp.arange(s_len, dtype=jnp.int32)[None, :] <= pos[:, None]
     out = attn_lib.dense(q, kt.astype(cfg.dtype), vt.astype(cfg.dtype), valid,
                          q_offset=s_len - 1, cache_layout=True, dtype=cfg.dtype)
@@ -480,7 +493,7 @@ class _Win:
     pos = rs["ints"][:, _POS]
     positions = pos[:, None]
     if self.dense:
-      attend = _make_attend_dense(cfg, pos, alive)
+      attend = _make_attend_dense(cfg, self.mesh, self.rules, pos, alive)
     else:
       wpage, wslot = PA.write_targets(rs["table"], positions, alive[:, None], st.page_size)
       attend = _make_attend(cfg, st, self.mesh, self.rules, rs["table"], wpage, wslot, positions)
@@ -514,7 +527,9 @@ class _Win:
     # row left for them
     stopped = (done & jnp.logical_not(self.idle0)).astype(jnp.int32).reshape(self.shards, -1)
     unfillable = jnp.sum(jnp.maximum(jnp.sum(stopped, axis=1) - left, 0))
-    shrink = (jnp.sum(left) == 0) & (jnp.max(jnp.sum(alive, axis=1)) <= self.shrink_to)
+    # every shard's rows fit the smaller bucket; a sum, not a max, so that the cond's
+    # reductions over the shards are one all-reduce per decode step
+    shrink = (jnp.sum(left) == 0) & (jnp.sum(jnp.sum(alive, axis=1) > self.shrink_to) == 0)
     early = (unfillable >= self.min_idle) | shrink
     return (i < self.st.window) & (jnp.sum(alive) > 0) & ((i == 0) | jnp.logical_not(early))
 

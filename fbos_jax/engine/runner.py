@@ -262,11 +262,11 @@ class Engine:
     return programs.get_fn(kind, self.cfg, self.st, mesh=self.mesh, rules=self.rules,
                            pages_per_shard=self.pages_per_shard)
 
-  def _put(self, x):
-    x = np.asarray(x)
+  def _put(self, *xs) -> list:
+    """Host arrays [rows, ...] onto the mesh, sharded by rows (one transfer call)."""
     if self.mesh is None:
-      return jnp.asarray(x)
-    return sh.put_process_local(x, self.mesh, self.rules)
+      return [jnp.asarray(np.asarray(x)) for x in xs]
+    return sh.put_process_local_many(xs, self.mesh, self.rules)
 
   def _agree(self, *values) -> np.ndarray:
     """[processes, len(values)]: every process's values (collective when several)."""
@@ -400,8 +400,8 @@ class Engine:
 
   def _prefill_args(self, params, pool, a: dict) -> tuple:
     """The prefill program's arguments: the arrays ``a`` on the mesh."""
-    return (params, pool) + tuple(self._put(a[k]) for k in ("tokens", "start", "n_valid",
-                                                             "table", "tail", "copies"))
+    return (params, pool) + tuple(self._put(*(a[k] for k in ("tokens", "start", "n_valid",
+                                                              "table", "tail", "copies"))))
 
   def _mesh_ctx(self):
     return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -514,16 +514,16 @@ class Engine:
                    shrink_to: int) -> list:
     """The window program's arguments: slot arrays ``sa`` and staged arrays ``qa``
     (:meth:`_window_arrays`), ``live`` [slots], ``count`` [shards] on the mesh."""
-    put = self._put
-    args = [params, pool] + [put(sa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids")]
-    args += [put(live), put(sa["table"])]
-    args += [put(qa[k]) for k in ("last", "pos", "step", "limit", "keys", "sids", "table")]
-    args += [put(count), np.float32(1.0 if self.scfg.is_greedy else self.scfg.temperature),
+    fields = ("last", "pos", "step", "limit", "keys", "sids")
+    host = ([sa[k] for k in fields] + [live, sa["table"]] + [qa[k] for k in fields + ("table",)]
+            + [count] + ([sa["bias"], qa["bias"]] if self.st.bias else []))
+    dev = self._put(*host)  # one transfer call for the window's inputs
+    n = len(fields) + 2 + len(fields) + 2
+    args = [params, pool] + dev[:n]
+    args += [np.float32(1.0 if self.scfg.is_greedy else self.scfg.temperature),
              np.float32(self.scfg.top_p), sampling.stop_id_array(self.scfg.stop_token_ids),
              np.int32(min_idle), np.int32(shrink_to)]
-    if self.st.bias:
-      args += [put(sa["bias"]), put(qa["bias"])]
-    return args
+    return args + dev[n:]
 
   @staticmethod
   def _fill(a: dict, k: int, r: _Row):
