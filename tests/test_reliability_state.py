@@ -266,3 +266,28 @@ def test_a_layout_field_the_state_no_longer_has_resumes_only_at_its_none_value()
     ckpt_lib._check_layout(older, want, "W")
   with pytest.raises(ckpt_lib.CheckpointMismatchError, match=r"rl.kl_beta > 0: checkpoint=True"):
     ckpt_lib._check_layout(dict(saved, **{"rl.kl_beta > 0": True}), want, "W")
+
+
+def test_a_save_compiles_nothing_for_replicated_arrays(tmp_path):
+  """A run's first checkpoint save compiles no program (the compile set is fixed
+  at start): orbax's replica-parallel default sliced each replicated array on
+  device across its replicas, a ``jit(slice)`` per array shape at the first save
+  (72 on the tiny run, logged as compile/after_start at step 11)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from fbos_jax import checkpoint as ckpt_lib
+  from fbos_jax import sharding as sh
+  from fbos_jax.program_cache import CompileWatch
+  mesh = sh.make_mesh({"data": 8})
+  state = {"w": jax.device_put(np.ones((24, 7), np.float32), NamedSharding(mesh, P())),  # shapes
+           "b": jax.device_put(np.ones((40, 3), np.float32), NamedSharding(mesh, P("data")))}
+  ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"), save_every=1, keep=1)
+  watch = CompileWatch()
+  try:
+    ck.save(1, state, {}, {})
+    ck.wait()
+    assert [e.fun_name for e in watch.take()] == []
+  finally:
+    watch.close()
+    ck.close()
