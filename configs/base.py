@@ -105,8 +105,10 @@ _TINY_RUN = {
     # mesh: 16 / 32); page tables of
     # 2 pages (round 1) and of the FAP buckets 128, 256 and 656 plus the 12 new
     # tokens (9, 17, 42 pages of 16); prefill chunks of those prompt buckets. 72
-    # engine programs (114 with rl.stream_rounds) where powers of two give 268
-    # (562), whose loaded kernels pass the CPU's vm.max_map_count
+    # engine programs (114 with rl.stream_rounds) when written, before the 4 and 8
+    # row buckets below (the synchronous engine run's whole compile set is now 82
+    # programs), where powers of two give 268 (562), whose loaded kernels pass the
+    # CPU's vm.max_map_count
     # (fbos_jax/compile_set.py:MapBudget); with one 128-row bucket and 8x steps
     # elsewhere (43 programs) round 2 took 5x the static sampler's time.
     # In the asynchronous loop (eta 1, the trainer the slower side) a step's rows
