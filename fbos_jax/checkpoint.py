@@ -229,8 +229,8 @@ def save_without_replica_slices():
   """Orbax writes each replicated array from its first replica, unsliced: its
   default (replica-parallel saving) slices every replicated array on device across
   its replicas, a ``jit(slice)`` compiled per array shape at a run's first save,
-  after the compile set (72 programs on the tiny run, at step 10; hundreds on a
-  pod, each a stall of every host). Process-wide: orbax's handler registry for
+  after the compile set (72 programs on the tiny run, at step 10; on a pod a
+  compile at a save holds every host). Process-wide: orbax's handler registry for
   ``jax.Array`` (the restore path is unchanged), registered once."""
   global _UNSLICED
   if not _UNSLICED:

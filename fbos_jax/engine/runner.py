@@ -516,9 +516,9 @@ class Engine:
     (:meth:`_window_arrays`), ``live`` [slots], ``count`` [shards] on the mesh."""
     fields = ("last", "pos", "step", "limit", "keys", "sids")
     host = ([sa[k] for k in fields] + [live, sa["table"]] + [qa[k] for k in fields + ("table",)]
-            + [count] + ([sa["bias"], qa["bias"]] if self.st.bias else []))
-    dev = self._put(*host)  # one transfer call for the window's inputs
-    n = len(fields) + 2 + len(fields) + 2
+            + [count])
+    n = len(host)  # then the logit biases, the program's last arguments
+    dev = self._put(*host, *([sa["bias"], qa["bias"]] if self.st.bias else []))  # one transfer
     args = [params, pool] + dev[:n]
     args += [np.float32(1.0 if self.scfg.is_greedy else self.scfg.temperature),
              np.float32(self.scfg.top_p), sampling.stop_id_array(self.scfg.stop_token_ids),

@@ -653,11 +653,12 @@ class VerifierPool:
   def _sub_start(self) -> None:
     """Starts queued ``submit`` calls while fewer than ``num_workers`` run
     (``self._sub`` held)."""
-    while self._sub_queue and len(self._sub_running) < self.num_workers:
-      _, key, example, response, fut, t0 = heapq.heappop(self._sub_queue)
-      if not fut.set_running_or_notify_cancel():  # cancelled while it waited
-        continue
-      th = threading.Thread(target=self._sub_work, args=(key, example, response, fut, t0),
+    while len(self._sub_running) < self.num_workers:
+      call = self._sub_pop()
+      if call is None:
+        return
+      key, example, response, fut, t0 = call
+      th = threading.Thread(target=self._sub_work, args=call,
                             daemon=True, name=f"verifier-submit-{key}")
       self._sub_register(key, th, example, fut, t0)
       th.start()
@@ -677,8 +678,8 @@ class VerifierPool:
 
   def _sub_work(self, key, example, response, fut, t0: float) -> None:
     """Submitted calls in one thread: the call, then its Future; then the next
-    waiting call in the same thread (a thread per call cost ~0.3 ms of start and
-    hand-off each, 128 a tiny FBOS step), until none waits or this call timed out
+    waiting call in the same thread (not a thread started per call: 128 a tiny
+    FBOS step on the engine), until none waits or this call timed out
     (its thread abandoned: the watchdog has started the next one elsewhere)."""
     while True:
       if self.backend == "thread":
@@ -701,16 +702,23 @@ class VerifierPool:
         return
       key, example, response, fut, t0 = nxt
 
-  def _sub_take(self):
-    """The next waiting call (not cancelled), registered as running in this
-    thread (``self._sub`` held), or None."""
+  def _sub_pop(self):
+    """The next waiting call (key, example, response, future, t0), cancelled ones
+    dropped, or None (``self._sub`` held)."""
     while self._sub_queue:
       _, key, example, response, fut, t0 = heapq.heappop(self._sub_queue)
-      if not fut.set_running_or_notify_cancel():  # cancelled while it waited
-        continue
-      self._sub_register(key, threading.current_thread(), example, fut, t0)
-      return key, example, response, fut, t0
+      if fut.set_running_or_notify_cancel():  # else: cancelled while it waited
+        return key, example, response, fut, t0
     return None
+
+  def _sub_take(self):
+    """The next waiting call, registered as running in this thread (``self._sub``
+    held), or None."""
+    call = self._sub_pop()
+    if call is not None:
+      key, example, _, fut, t0 = call
+      self._sub_register(key, threading.current_thread(), example, fut, t0)
+    return call
 
   def _sub_watch(self) -> None:
     """The watchdog of submitted thread-backend calls: a call past its deadline
