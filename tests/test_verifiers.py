@@ -483,6 +483,29 @@ def test_pool_submit_runs_waiting_calls_in_the_threads_it_has():
   pool.close()
 
 
+def test_pool_submit_reuses_an_idle_thread_for_calls_that_come_one_by_one():
+  """Rollouts stop a few at a time (the engine retires them between windows), so
+  each call used to find no call waiting, end its thread, and the next submit
+  started a new one (757 thread starts in 6 tiny FBOS steps on the engine). An idle
+  submit thread now waits SUBMIT_IDLE_S for the next call: 20 calls submitted one
+  after another's verdict run in one thread, and a closed pool's idle thread ends."""
+  import threading
+  names = []
+
+  def verifier(example, response):
+    names.append(threading.current_thread().name)
+    return Verdict(reward=1.0, feedback="")
+
+  pool = VerifierPool(verifier, num_workers=2, timeout_s=60.0)
+  for i in range(20):
+    assert pool.submit({"id": i}, str(i)).result(timeout=30)[0][0].reward == 1.0
+  assert len(names) == 20 and len(set(names)) == 1
+  (idle,) = [t for t in threading.enumerate() if t.name == names[0]]
+  pool.close()
+  idle.join(5)
+  assert not idle.is_alive()
+
+
 def test_pool_submit_times_out_a_hung_call_and_frees_its_place():
   """Issue 32's bad input: a hung call resolves as a timeout error after
   ``timeout_s`` and its place goes to the next call; other calls are not held."""

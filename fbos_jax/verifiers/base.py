@@ -71,6 +71,8 @@ ERROR_KINDS = ("exception", "timeout", "bad_return", "crash", "bad_reward",
                "bad_example", "sandbox")
 AUTO = "auto"  # data.verifier: route each example by its own "verifier" key
 DEFAULT_REWARD_RANGE = (-10.0, 10.0)
+# how long a ``VerifierPool.submit`` thread with no call waits for the next one
+SUBMIT_IDLE_S = 2.0
 DEFAULT_ANSWER_TYPES = (str,)  # what a verifier grades unless it declares more
 # Rewards are float32 on the device (largest value 3.4e38): a reward_range
 # bound must stay below this, with room to spare.
@@ -534,7 +536,11 @@ class VerifierPool:
     self._sub_queue: list = []
     self._sub_running: dict = {}
     self._sub_seq = itertools.count()
+    self._sub_names = itertools.count()
     self._watchdog = None  # the watchdog thread of ``submit``'s timeouts
+    # submit threads with no call, each waiting (SUBMIT_IDLE_S) on its mailbox [call]
+    self._sub_idle: list = []
+    self._sub_closed = False
     if backend == "process":
       self._check_picklable()
       self._ctx = multiprocessing.get_context(mp_start_method)
@@ -658,8 +664,14 @@ class VerifierPool:
       if call is None:
         return
       key, example, response, fut, t0 = call
+      if self._sub_idle:  # an idle submit thread takes it
+        th, box = self._sub_idle.pop()
+        box.append(call)
+        self._sub_register(key, th, example, fut, t0)
+        self._sub.notify_all()
+        continue
       th = threading.Thread(target=self._sub_work, args=call,
-                            daemon=True, name=f"verifier-submit-{key}")
+                            daemon=True, name=f"verifier-submit-{next(self._sub_names)}")
       self._sub_register(key, th, example, fut, t0)
       th.start()
 
@@ -678,9 +690,11 @@ class VerifierPool:
 
   def _sub_work(self, key, example, response, fut, t0: float) -> None:
     """Submitted calls in one thread: the call, then its Future; then the next
-    waiting call in the same thread (not a thread started per call: 128 a tiny
-    FBOS step on the engine), until none waits or this call timed out
-    (its thread abandoned: the watchdog has started the next one elsewhere)."""
+    waiting call in the same thread, or the next one submitted within
+    ``SUBMIT_IDLE_S`` (not a thread started per call: 128 a tiny FBOS step on
+    the engine, whose rollouts stop a few at a time), until none comes, the
+    pool closes, or this call timed out (its thread abandoned: the watchdog
+    has started the next one elsewhere)."""
     while True:
       if self.backend == "thread":
         start = time.monotonic()
@@ -698,9 +712,30 @@ class VerifierPool:
           self._sub_start()
       if mine:
         self._sub_settle(fut, example, raw, t0)
+        if nxt is None:
+          nxt = self._sub_wait_idle()
       if nxt is None:
         return
       key, example, response, fut, t0 = nxt
+
+  def _sub_wait_idle(self):
+    """This submit thread, idle: the call ``_sub_start`` hands it within
+    ``SUBMIT_IDLE_S`` (registered as running in it), or None (the thread ends)."""
+    box: list = []
+    me = (threading.current_thread(), box)
+    end = time.monotonic() + SUBMIT_IDLE_S
+    with self._sub:
+      # one that came while this thread settled its last, if a worker's place is free
+      call = self._sub_take() if len(self._sub_running) < self.num_workers else None
+      if call is not None:
+        return call
+      self._sub_idle.append(me)
+      while not box and not self._sub_closed and time.monotonic() < end:
+        self._sub.wait(end - time.monotonic())
+      if not box:
+        self._sub_idle.remove(me)
+        return None
+    return box[0]
 
   def _sub_pop(self):
     """The next waiting call (key, example, response, future, t0), cancelled ones
@@ -779,6 +814,7 @@ class VerifierPool:
     if sub is not None:  # the submit watchdog ends
       with sub:
         self._watchdog = None
+        self._sub_closed = True  # idle submit threads end
         sub.notify_all()
     for w in self._workers:
       if w is None:  # still starting (another thread's call)
