@@ -322,13 +322,18 @@ VARIANTS = {
             "sft.learning_rate": 1e-4, "sft.warmup_steps": 1, "sft.fap_fraction": 0.25,
         }),
     # Qwen3-8B on 8xH100 nodes: tensor parallel inside the node (NVLink), data
-    # parallel across nodes (dcn). Its memory plan is an estimate (README). It keeps the
-    # static sampler: the engine's programs for GPUs (XLA paged attention, which gathers
-    # every slot's pages into a dense cache per window) have not been compiled for
-    # h100:2x8 (XLA's GPU compiler is not installed where the plans were made).
+    # parallel across nodes (dcn). The continuous engine with the Pallas GPU decode
+    # kernel (engine.attention=auto on GPU: fbos_kernels.paged_decode_gpu reads the
+    # pages in place; the XLA path would gather every slot's pages into a dense cache
+    # per window), a slot for every row of a round as qwen_8b: compiled deviceless for
+    # h100:2x8, round 2's prefill peaks at 47.6 GiB (60%) and its window at 35.4 GiB,
+    # the update at 51.6 GiB (65%) (--dry_run --topology=h100:2x8; fits at <= 75%).
     "qwen_8b_h100": dict(
         model=_QWEN3_8B, mesh=dict(dcn=-1, data=1, fsdp=1, tensor=8),
         run=dict(_LARGE_RUN, **{
+            "sampling.engine": "continuous",
+            "engine.slots": 512, "engine.staged": 0,
+            "engine.bucket_growth": 0,  # one bucket per engine dimension, as qwen_8b
             "rl.micro_batches": 32,
             # round 2's 512 FAP rows in calls of at most 256 prompts: all 512 at once
             # compiled to 52.7 GiB with a bf16 master, and the float32 master and Adam's

@@ -245,3 +245,58 @@ def test_pallas_is_refused_where_it_cannot_run():
   assert PA.choose("auto", "cpu", 128) == "xla"
   with pytest.raises(ValueError, match=r"engine.attention='pallas_interpret'.*model.head_dim=16"):
     PA.choose("pallas_interpret", "cpu", 16)
+
+
+# ------------------------------------------------------------------ the GPU decode kernel
+
+
+@pytest.mark.parametrize("lengths,h,kv,dh,ps", [([1, 17, 36, 50], 4, 2, 16, 16),
+                                                ([5, 64, 130, 33], 8, 2, 128, 32),
+                                                ([144, 3, 77], 32, 8, 128, 16)])
+def test_gpu_decode_kernel_in_the_interpreter_matches_xla(lengths, h, kv, dh, ps):
+  """fbos_kernels.paged_decode_gpu (issue 32: the engine on GPU reads pages in place)
+  in Pallas's interpreter against attend_xla on decode steps: float32, GQA (G = 2, 4,
+  16 padded to Triton's 16), several pages a row, a row of one token, shuffled pages
+  with stale data past each row."""
+  q, pages, table, q_pos, _, _ = paged_case(3, lengths, 1, h=h, kv=kv, dh=dh, ps=ps, spare=5)
+  ref = PA.attend_xla(q, pages, table, q_pos)
+  out = PA.attend("pallas_gpu_interpret", q, pages, table, q_pos)
+  np.testing.assert_allclose(out, ref, atol=TOL, rtol=TOL)
+  # a prefill chunk (T > 1) goes to attend_xla: the kernel is for decode steps
+  q2, pages2, table2, q_pos2, _, _ = paged_case(4, [9, 20], 5, h=h, kv=kv, dh=dh, ps=ps)
+  np.testing.assert_array_equal(PA.attend("pallas_gpu_interpret", q2, pages2, table2, q_pos2),
+                                PA.attend_xla(q2, pages2, table2, q_pos2))
+
+
+def test_gpu_decode_kernel_in_bfloat16_is_no_further_from_float32_than_xla():
+  """In bfloat16 the kernel and attend_xla round at different points (the kernel keeps
+  its online softmax and p.v in float32; attend_xla rounds the probabilities to bf16),
+  so they differ by rounding; the kernel's output must be no further from the float32
+  attention of the same bf16 inputs than attend_xla's (max and mean over 16 rows)."""
+  q, pages, table, q_pos, _, _ = paged_case(5, list(range(3, 144, 9)), 1, h=8, kv=2, dh=128,
+                                            ps=16, spare=4)
+  qb, pb_ = q.astype(jnp.bfloat16), (2 * pages).astype(jnp.bfloat16)
+  truth = PA.attend_xla(qb.astype(jnp.float32), pb_.astype(jnp.float32), table, q_pos)
+  err = {}
+  for impl in ("pallas_gpu_interpret", "xla"):
+    out = PA.attend(impl, qb, pb_, table, q_pos).astype(jnp.float32)
+    assert out.dtype == jnp.float32 and bool(jnp.isfinite(out).all())
+    e = jnp.abs(out - truth)
+    err[impl] = (float(e.max()), float(e.mean()))
+  assert err["pallas_gpu_interpret"][0] <= err["xla"][0], err
+  assert err["pallas_gpu_interpret"][1] <= err["xla"][1], err
+
+
+def test_the_gpu_kernel_is_chosen_on_gpu_and_refused_elsewhere():
+  """auto picks the GPU kernel on GPU when head_dim and page_size are powers of two
+  >= 16; pallas_gpu off GPU names the field and the platform; shapes the kernel
+  cannot tile name their field."""
+  assert PA.choose("auto", "gpu", 128, 16) == "pallas_gpu"
+  assert PA.choose("auto", "gpu", 128, 8) == "xla" and PA.choose("auto", "gpu", 96, 16) == "xla"
+  assert PA.choose("pallas_gpu_interpret", "cpu", 16, 16) == "pallas_gpu_interpret"
+  with pytest.raises(ValueError, match=r"engine.attention='pallas_gpu'.*platform 'cpu'"):
+    PA.choose("pallas_gpu", "cpu", 128, 16)
+  with pytest.raises(ValueError, match=r"engine.attention='pallas_gpu'.*engine.page_size=8"):
+    PA.choose("pallas_gpu", "gpu", 128, 8)
+  with pytest.raises(ValueError, match=r"model.head_dim=96"):
+    PA.choose("pallas_gpu_interpret", "cpu", 96, 16)

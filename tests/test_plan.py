@@ -187,14 +187,21 @@ def _have_cuda_plugin() -> bool:
 
 @pytest.mark.skipif(not _have_cuda_plugin(), reason="XLA's GPU compiler is missing: pip install "
                     "jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 (no GPU is needed)")
-def test_real_head_sizes_compile_for_h100s():
+@pytest.mark.parametrize("spec,engine", [("configs/grpo.py:qwen_8b_h100", "static"),
+                                         ("configs/fbos.py:qwen_8b_h100", "continuous")])
+def test_real_head_sizes_compile_for_h100s(spec, engine):
   """The same small real-head model on one 8xH100 node (tensor parallel 8):
-  compiled by XLA's GPU compiler from a target description, no GPU."""
-  c = small_real_heads("configs/grpo.py:qwen_8b_h100")
-  c.model.num_layers = 2
+  compiled by XLA's GPU compiler from a target description, no GPU. On the engine
+  (qwen_8b_h100's sampler) the decode window on GPU is the Pallas GPU kernel (issue
+  32: a Triton call reading the pages in place, not a dense gather)."""
+  c = small_real_heads(spec, engine)
   plan = plan_lib.compile_plan(c, "h100:1x8", search=False)
   assert plan["chip"] == "NVIDIA H100 SXM" and plan["num_devices"] == 8
   assert plan["fit_fraction"] == hw.GPU_FIT_FRACTION
+  if engine == "continuous":
+    assert set(engine_program_names()) == set(plan["programs"]), plan["programs"]
+    for rnd in ("sample_round1", "sample_round2"):
+      assert "pallas_gpu attention" in plan["programs"][f"{rnd}/window"].what
   for name, rep in plan["programs"].items():
     assert not rep.error and 0 < rep.peak <= 0.75 * plan["hbm_bytes"], name
 

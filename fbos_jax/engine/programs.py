@@ -38,10 +38,11 @@ the host passes B + 1 when no request waits and the feed is finished), or once
 the staged rows are all taken and every shard's live slots fit ``shrink_to``
 rows (the next smaller row bucket; -1 = off).
 
-Attention: with the Pallas kernel (TPU; ``pallas_interpret``: the same kernel
-in the Pallas TPU interpreter on CPU, for tests) every step writes the new
-key/value into its page and the kernel reads the pages in place. On the XLA path (CPU,
-GPU) a per-step gather of every row's pages cost ~8x a static-sampler step on
+Attention: with a Pallas kernel (TPU: the ragged paged kernel; GPU: the decode
+kernel ``fbos_kernels.paged_decode_gpu``, prefill chunks by XLA over their own
+pages; ``*_interpret``: the same kernel in Pallas's interpreter on CPU, for tests)
+every step writes the new key/value into its page and the kernel reads the pages
+in place. On the XLA path (CPU) a per-step gather of every row's pages cost ~8x a static-sampler step on
 CPU, so the window gathers the slots' (and staged rows') pages once into a
 dense per-row cache (the static sampler's layout, [B, K, Dh, pb * page_size]),
 decodes against it, and writes the live rows' new tokens back into their pages
@@ -87,7 +88,7 @@ class Static:
   pad_id: int
   unroll: bool
   cache_dtype: Optional[str]
-  impl: str  # "xla" | "pallas" | "pallas_interpret" (the kernel in the TPU interpreter)
+  impl: str  # paged_attention.IMPLEMENTATIONS but auto (*_interpret: the kernel interpreted)
   shards: int
   bias: bool
   device_kind: Optional[str]  # target chip (Pallas block sizes)

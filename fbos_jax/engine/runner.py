@@ -232,7 +232,7 @@ class Engine:
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
     device_kind = mesh.devices.flat[0].device_kind if mesh is not None else None
     try:
-      impl = PA.choose(e.attention, platform, cfg.head_dim)
+      impl = PA.choose(e.attention, platform, cfg.head_dim, e.page_size)
     except ValueError as err:
       raise EngineError(str(err)) from None
     unroll = {"unroll": True, "scan": False}.get(s.layer_loop, platform == "cpu")

@@ -65,9 +65,10 @@ class EngineConfig:
     copies stay powers of two): the fewest programs, for chips where a decode
     step costs about the same at any row count and the Pallas kernel reads only
     the pages in use.
-  attention: paged attention: auto (Pallas ragged kernel on TPU, XLA elsewhere),
-    xla, pallas (TPU only) or pallas_interpret (the same kernel in the Pallas TPU
-    interpreter, on any platform: the TPU decode path run on CPU, for tests;
+  attention: paged attention: auto (Pallas ragged kernel on TPU, the Pallas GPU
+    decode kernel on GPU, XLA elsewhere), xla, pallas (TPU only), pallas_gpu (GPU
+    only), or pallas_interpret / pallas_gpu_interpret (the same kernel in Pallas's
+    interpreter, on any platform: the TPU or GPU decode path run on CPU, for tests;
     model/paged_attention.py).
   """
   slots: int = 64

@@ -1,5 +1,6 @@
 """Attention over a paged KV cache: the one home of the page layout, the cache
-write and the two implementations (portable XLA, Pallas ragged kernel on TPU).
+write and the implementations (portable XLA, Pallas ragged kernel on TPU, Pallas
+decode kernel on GPU).
 
 Layout (the layout of ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``)::
 
@@ -42,6 +43,13 @@ Implementations (``impl``):
   (``pltpu.force_tpu_interpret_mode()``) on any platform: the engine's TPU path
   (per-step page writes, attention in place) run on CPU, for tests; slow.
   ``"pallas"`` itself is refused on a platform other than TPU (:func:`choose`).
+- ``"pallas_gpu"`` (:func:`attend_pallas_gpu`): on GPU, decode steps (T = 1) run
+  ``fbos_kernels.paged_decode_gpu`` (Pallas, Triton lowering), which reads each
+  row's pages in place from this combined layout (JAX's shipped GPU paged kernel
+  wants separate ``[K, N, page_size, Dh]`` k and v pools); prefill chunks (T > 1)
+  run :func:`attend_xla` (one gather of the chunk's rows' pages). ``head_dim`` and
+  ``page_size`` powers of two >= 16. ``"pallas_gpu_interpret"``: the same kernel in
+  Pallas's interpreter on any platform (tests); ``"pallas_gpu"`` is refused off GPU.
 
 Neither function knows about the mesh: the engine calls them per batch shard
 inside ``jax.shard_map`` (each shard owns its rows and its pages).
@@ -56,24 +64,43 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret")
-KERNEL_IMPLS = ("pallas", "pallas_interpret")  # the Pallas kernel (compiled / interpreted)
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_interpret", "pallas_gpu",
+                   "pallas_gpu_interpret")
+TPU_KERNEL_IMPLS = ("pallas", "pallas_interpret")  # the ragged TPU kernel (compiled / interpreted)
+GPU_KERNEL_IMPLS = ("pallas_gpu", "pallas_gpu_interpret")  # the GPU decode kernel
+KERNEL_IMPLS = TPU_KERNEL_IMPLS + GPU_KERNEL_IMPLS  # pages read in place, one pool array per layer
 INTERPRET_DEVICE_KIND = "TPU v5"  # the chip whose block sizes the interpreter runs with
 NULL_PAGE = 0
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def choose(impl: str, platform: str, head_dim: Optional[int] = None) -> str:
+def choose(impl: str, platform: str, head_dim: Optional[int] = None,
+           page_size: Optional[int] = None) -> str:
   """Resolve ``impl`` (``engine.attention``) for a program compiled for
   ``platform``: auto = pallas on TPU (when ``head_dim`` is a multiple of 128, the
-  kernel's lane width), xla elsewhere; pallas is refused off TPU, the kernel
-  (pallas, pallas_interpret) for another head_dim."""
+  kernel's lane width), pallas_gpu on GPU (when ``head_dim`` and ``page_size`` are
+  powers of two >= 16, Triton's dot), xla elsewhere; pallas is refused off TPU and
+  pallas_gpu off GPU, a kernel for shapes it cannot tile."""
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"engine.attention={impl!r}; expected one of {IMPLEMENTATIONS}.")
   fits = head_dim is None or int(head_dim) % 128 == 0
+  gpu_misfit = _gpu_misfit(head_dim, page_size)
   if impl == "auto":
-    return "pallas" if platform == "tpu" and fits else "xla"
-  if impl in KERNEL_IMPLS and not fits:
+    if platform == "tpu" and fits:
+      return "pallas"
+    return "pallas_gpu" if platform == "gpu" and not gpu_misfit else "xla"
+  if impl in GPU_KERNEL_IMPLS:
+    if gpu_misfit:
+      raise ValueError(f"engine.attention={impl!r}: {gpu_misfit} Use engine.attention=xla "
+                       "(or auto).")
+    if impl == "pallas_gpu" and platform != "gpu":
+      raise ValueError(
+          f"engine.attention='pallas_gpu' is a Pallas GPU (Triton) kernel, which platform "
+          f"{platform!r} cannot run: use engine.attention=xla (or auto) on {platform!r}, or "
+          "engine.attention=pallas_gpu_interpret to run the same kernel in the Pallas "
+          "interpreter (slow; for tests).")
+    return impl
+  if impl in TPU_KERNEL_IMPLS and not fits:
     raise ValueError(f"engine.attention={impl!r}: the Pallas paged kernel needs a head_dim "
                      f"that is a multiple of 128; model.head_dim={head_dim}. Use "
                      "engine.attention=xla (or auto).")
@@ -84,6 +111,17 @@ def choose(impl: str, platform: str, head_dim: Optional[int] = None) -> str:
         "engine.attention=pallas_interpret to run the same kernel in the Pallas TPU "
         "interpreter (slow; for tests).")
   return impl
+
+
+def _gpu_misfit(head_dim: Optional[int], page_size: Optional[int]) -> str:
+  """Why the GPU decode kernel cannot run these shapes ('' if it can)."""
+  from fbos_kernels import paged_decode_gpu as G
+  try:
+    G.check_shapes(page_size or G.MIN_DIM, head_dim or G.MIN_DIM,
+                   names=("engine.page_size", "model.head_dim"))
+  except ValueError as e:
+    return str(e)
+  return ""
 
 
 def interleave(k, v):
@@ -193,11 +231,33 @@ def attend_pallas(q, pages, page_table, q_pos, *, layer=None, dtype=None,
   return out.reshape(b, t, h, dh)
 
 
+def attend_pallas_gpu(q, pages, page_table, q_pos, *, layer=None, dtype=None,
+                      interpret: bool = False):
+  """The GPU decode kernel (``fbos_kernels.paged_decode_gpu``) for decode steps
+  (T = 1: it reads the row's pages in place), :func:`attend_xla` for prefill chunks
+  (T > 1: a gather of the chunk's rows' pages, once per chunk). ``layer`` must be
+  None (one pool array per layer). ``interpret``: the kernel in Pallas's interpreter."""
+  if layer is not None:
+    raise ValueError("the Pallas GPU paged kernel needs one pool array per layer "
+                     "(sampling.layer_loop='unroll'), not a stacked pool.")
+  b, t, h, dh = q.shape
+  if t > 1:
+    return attend_xla(q, pages, page_table, q_pos, dtype=dtype)
+  from fbos_kernels import paged_decode_gpu as G
+  # the kernel casts each page it loads to q's dtype (a cache_dtype pool stays as it is)
+  out = G.paged_decode_attention(q[:, 0].astype(dtype or q.dtype), pages, page_table,
+                                 q_pos[:, 0] + 1, interpret=interpret)
+  return out[:, None]
+
+
 def attend(impl: str, q, pages, page_table, q_pos, *, layer=None, dtype=None,
            device_kind: Optional[str] = None):
-  """:func:`attend_xla` or :func:`attend_pallas` (``impl`` already resolved by
-  :func:`choose`: "xla", "pallas" or "pallas_interpret")."""
-  if impl in KERNEL_IMPLS:
+  """:func:`attend_xla`, :func:`attend_pallas` or :func:`attend_pallas_gpu`
+  (``impl`` already resolved by :func:`choose`)."""
+  if impl in GPU_KERNEL_IMPLS:
+    return attend_pallas_gpu(q, pages, page_table, q_pos, layer=layer, dtype=dtype,
+                             interpret=impl == "pallas_gpu_interpret")
+  if impl in TPU_KERNEL_IMPLS:
     return attend_pallas(q, pages, page_table, q_pos, layer=layer, dtype=dtype,
                          device_kind=device_kind, interpret=impl == "pallas_interpret")
   if impl == "xla":
