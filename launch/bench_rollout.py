@@ -48,7 +48,9 @@ Workload ``slow_verifier`` (issue 32): ``two_round``'s barrier and streamed
 schedules with every verdict taking ``--slow_verifier_ms`` (20 ms: a sleep, as a
 remote sandbox or judge service's latency) in the pool ``verifier.workers``
 sizes (the config's, or ``--slow_verifier_workers``): whether streaming hides
-verification behind decoding in wall time.
+verification behind decoding in wall time. ``streamed_s_floor``: the verifier's
+floor, ceil(rollouts / workers) x the latency (every rollout is verified once,
+round 1's and round 2's), below which no schedule can end.
 
 Printed per sampler (``long_tail``): generated tokens/s, slot utilisation
 (generated tokens / slot-steps computed: static = rows x steps of every call,
@@ -59,7 +61,7 @@ step costs at 8-64 rows, the static sampler, no stops): ``{"long_tail":
 {"static_tok_s", "continuous_tok_s", "ratio", ...}, "two_round": {"barrier_s",
 "streamed_s", "static_s", "barrier_decode_steps", "streamed_decode_steps",
 "static_decode_steps", "streamed_decode_steps_floor", "*_slot_steps", "*_kv_reads",
-"*_modelled_s", "tokens_equal", ...}, "slow_verifier": {"barrier_s", "streamed_s", ...}}``.
+"*_modelled_s", "tokens_equal", ...}, "slow_verifier": {"barrier_s", "streamed_s", "streamed_s_floor", ...}}``.
 """
 
 from __future__ import annotations
@@ -251,6 +253,15 @@ def rounds_workload(args, name: str, schedules: tuple, latency_s: float = 0.0) -
           f"a round-2 row after the round-1 rows it waits for): "
           f"{out['streamed_decode_steps_floor']:.0f} = "
           f"{out['streamed_decode_steps_floor'] / out['barrier_decode_steps']:.2f}x the barrier's")
+    if latency_s:
+      # the verifier's floor: every rollout is verified once, by a pool of W workers
+      # each taking latency_s a verdict, so no schedule ends before ceil(N / W) verdicts
+      verdicts, workers = int(m["rollouts/generated"]), ctxs[schedules[0]].pool.num_workers
+      out["streamed_s_floor"] = -(-verdicts // workers) * latency_s
+      print(f"verifier floor of any schedule ({verdicts} verdicts x {1e3 * latency_s:.0f} ms "
+            f"over {workers} workers): {out['streamed_s_floor']:.2f} s = "
+            f"{out['streamed_s_floor'] / out['barrier_s']:.2f}x the barrier's wall time; streamed "
+            f"{out['streamed_s'] / out['streamed_s_floor']:.2f}x the floor")
     out["ratio"] = out["streamed_s"] / out["barrier_s"]
     out["decode_steps_ratio"] = out["streamed_decode_steps"] / out["barrier_decode_steps"]
     out["tokens_equal"] = same_tokens(trajs["barrier"], trajs["streamed"])
