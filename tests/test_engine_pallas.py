@@ -14,8 +14,8 @@ the test checks that each happened (the shrink in the sampled cases: greedy rows
 one prompt are equal and stop in the same step).
 
 The interpreter is slow (a call costs ~30-60 s on the 2-core CPU, mostly
-compiling the interpreted windows), so the default suite runs two of the four
-(dtype, mode) cases; the other two are ``slow``.
+compiling the interpreted windows; the GPU kernel's 5-8 s), so every case is
+``slow``: ``.ci/run`` runs them after the default suite.
 """
 
 import dataclasses
