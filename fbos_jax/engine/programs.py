@@ -43,10 +43,11 @@ kernel ``fbos_kernels.paged_decode_gpu``, prefill chunks by XLA over their own
 pages; ``*_interpret``: the same kernel in Pallas's interpreter on CPU, for tests)
 every step writes the new key/value into its page and the kernel reads the pages
 in place. On the XLA path (CPU) a per-step gather of every row's pages cost ~8x
-a static-sampler step on CPU, so the window gathers the slots' (and staged rows') pages once into a
-dense per-row cache (the static sampler's layout, [B, K, Dh, pb * page_size]),
-decodes against it, and writes the live rows' new tokens back into their pages
-at the end (rows that stopped inside the window need nothing back).
+a static-sampler step on CPU, so the window gathers the slots' (and staged
+rows') pages once into a dense per-row cache (the static sampler's layout,
+[B, K, Dh, pb * page_size]), decodes against it, and writes the live rows' new
+tokens back into their pages at the end (rows that stopped inside the window
+need nothing back).
 
 Prefill writes the keys / values of prompt tokens ``[start, start + n_valid)``
 of each row into its pages (queries attend to earlier chunks through the pages).

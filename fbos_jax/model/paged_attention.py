@@ -84,12 +84,12 @@ def choose(impl: str, platform: str, head_dim: Optional[int] = None,
   if impl not in IMPLEMENTATIONS:
     raise ValueError(f"engine.attention={impl!r}; expected one of {IMPLEMENTATIONS}.")
   fits = head_dim is None or int(head_dim) % 128 == 0
-  gpu_misfit = _gpu_misfit(head_dim, page_size)
   if impl == "auto":
     if platform == "tpu" and fits:
       return "pallas"
-    return "pallas_gpu" if platform == "gpu" and not gpu_misfit else "xla"
+    return "pallas_gpu" if platform == "gpu" and not _gpu_misfit(head_dim, page_size) else "xla"
   if impl in GPU_KERNEL_IMPLS:
+    gpu_misfit = _gpu_misfit(head_dim, page_size)
     if gpu_misfit:
       raise ValueError(f"engine.attention={impl!r}: {gpu_misfit} Use engine.attention=xla "
                        "(or auto).")
@@ -244,7 +244,8 @@ def attend_pallas_gpu(q, pages, page_table, q_pos, *, layer=None, dtype=None,
   if t > 1:
     return attend_xla(q, pages, page_table, q_pos, dtype=dtype)
   from fbos_kernels import paged_decode_gpu as G
-  # the kernel casts each page it loads to q's dtype (a cache_dtype pool stays as it is)
+  # the pool stays in its dtype (cache_dtype): the kernel casts the keys it loads to q's
+  # dtype and the values to float32
   out = G.paged_decode_attention(q[:, 0].astype(dtype or q.dtype), pages, page_table,
                                  q_pos[:, 0] + 1, interpret=interpret)
   return out[:, None]

@@ -645,7 +645,8 @@ class VerifierPool:
     (a waiting call's Future may be cancelled).
     Thread backend: each call runs in a submit thread, which resolves the
     Future itself, so no second thread waits on it, and then takes the next
-    waiting call (at most ``num_workers`` such threads); a call past ``timeout_s``
+    waiting call (at most ``num_workers`` calls run at once), or waits up to
+    ``SUBMIT_IDLE_S`` for one to be submitted; a call past ``timeout_s``
     is resolved as a timeout error by a watchdog thread and its thread is
     abandoned (as in ``run``), freeing its place at once. Process backend: the
     call runs ``run`` on a worker process (its timeout kills the worker)."""
