@@ -16,6 +16,14 @@ A compile after that is counted per step (``compile/after_start`` in
 metrics.jsonl; :class:`fbos_jax.program_cache.CompileWatch`) and warned about,
 naming the program and the shapes of the call (:func:`after_start`).
 
+AReaL's split (``rl.rollout_devices`` / ``rl.max_staleness``): the trainer's set
+is its eval and update (``run_programs(..., rounds=False)``); the rollout's
+rounds compile on the rollout mesh (:func:`rollout_programs`: the params as the
+weight sync places them; the engine streaming the steps): a rollout thread's in
+the trainer's set, a rollout process's before its first batch
+(``fbos_jax/rl/remote.py``; its compiles after that reach the trainer's metrics
+as ``rollout/compile_after_start``).
+
 Not in the set: the helpers' small programs (PRNG splits, a metric's reduction),
 compiled on their first call (step 1), and the programs of ``train.probe_every``.
 """
@@ -49,36 +57,66 @@ class ProgramGroup:
   jobs: Callable
 
 
-def run_programs(ctx, state, *, eval_prompts: int = 0, eval_k: int = 1) -> list:
+def run_programs(ctx, state, *, eval_prompts: int = 0, eval_k: int = 1,
+                 rounds: bool = True) -> list:
   """The compile set of the run of ``ctx`` (a :class:`~fbos_jax.rl.context.RolloutContext`
   with its mesh) from ``state`` (a :class:`~fbos_jax.rl.state.TrainState`: the
   params the samplers read, the state the update takes), with the held-out eval
-  of ``eval_prompts`` prompts (all processes together; 0 = none) and pass@``eval_k``.
-  A list of :class:`ProgramGroup`, nothing compiled yet."""
+  of ``eval_prompts`` prompts (all processes together; 0 = none) and pass@``eval_k``;
+  ``rounds=False``: without the rollout rounds' programs (a split's trainer: its
+  rollout compiles :func:`rollout_programs` on its own mesh). A list of
+  :class:`ProgramGroup`, nothing compiled yet."""
+  from fbos_jax.rl import state as state_lib
+  # what the samplers read: the master in model.compute_dtype (state_lib.ComputeCopy)
+  params = state_lib.compute_params(state.params, ctx.parts.model)
+  groups = sampler_groups(ctx, params, state.rng, eval_prompts=eval_prompts, eval_k=eval_k,
+                          rounds=rounds)
+  combos = shapes_lib.update_programs(ctx.parts, sh.batch_shard_count(ctx.mesh, ctx.rules),
+                                      sampling_lib.mesh_processes(ctx.mesh))
+  groups.append(ProgramGroup("update", combos,
+                             functools.partial(_update_jobs, ctx, state, combos)))
+  return groups
+
+
+def rollout_programs(ctx, params, rng, *, streamed: bool, recompute: bool = False) -> list:
+  """The compile set of an asynchronous run's rollout (``fbos_jax/rl/sources.py``,
+  ``fbos_jax/rl/remote.py``): its rounds' programs on its own mesh (``ctx``'s),
+  with ``params`` as the weight sync places them there (arrays or
+  ShapeDtypeStructs with their shardings) and ``rng`` the run's key as the
+  rollout holds it (a host copy). ``streamed``: the rollout streams steps through
+  one engine run (round 1 and round 2 under round 2's settings);
+  ``recompute``: in-flight weight updates redo the KV cache
+  (``rl.inflight_update=recompute``)."""
+  return sampler_groups(ctx, params, np.asarray(jax.device_get(rng)), streamed=streamed,
+                        recompute=recompute, label="rollout ")
+
+
+def sampler_groups(ctx, params, rng, *, eval_prompts: int = 0, eval_k: int = 1,
+                   rounds: bool = True, streamed=None, recompute: bool = False,
+                   label: str = "") -> list:
+  """The sampler programs of the calls :func:`fbos_jax.rl.shapes.sampler_calls`
+  lists, on ``ctx``'s mesh: the continuous engine's (one group per engine run,
+  :func:`fbos_jax.rl.shapes.engine_runs`) or the static sampler's, lowered with
+  ``params`` and a key from ``rng`` placed as the calls place them."""
   from fbos_jax.rl import state as state_lib
   parts, mesh, rules = ctx.parts, ctx.mesh, ctx.rules
-  processes = jax.process_count()
-  shards = sh.batch_shard_count(mesh, rules)
-  # what the samplers read: the master in model.compute_dtype (state_lib.ComputeCopy)
-  params = state_lib.compute_params(state.params, parts.model)
-  kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
+  kw = dict(eval_prompts=eval_prompts, eval_k=eval_k, rounds=rounds)
   groups = []
   if parts.sampling.engine == "continuous":
     from fbos_jax.engine import Engine
-    for names, scfg, n_max in shapes_lib.engine_runs(parts, **kw):
+    for names, scfg, n_max in shapes_lib.engine_runs(parts, streamed=streamed, **kw):
       eng = Engine(parts.model, scfg, parts.sampling.engine_config, mesh=mesh, rules=rules)
-      progs = eng.program_shapes(n_max)
-      groups.append(ProgramGroup(f"{' + '.join(names)} (engine)", progs,
+      progs = eng.program_shapes(n_max, recompute=recompute)
+      groups.append(ProgramGroup(f"{label}{' + '.join(names)} (engine)", progs,
                                  functools.partial(eng.compile_jobs, params, progs)))
-  else:  # the key as a rollout's call passes it (its placement is part of the program)
-    key = sampling_lib.sample_key(jax.random.split(state_lib.stream_key(state.rng, "sample", 0))[0])
-    for name, (scfg, n, buckets) in shapes_lib.sampler_programs(parts, shards, processes,
-                                                                **kw).items():
-      groups.append(ProgramGroup(f"{name} (static sampler)", buckets, functools.partial(
-          _sampler_jobs, ctx, params, key, scfg, n, buckets)))
-  combos = shapes_lib.update_programs(parts, shards, processes)
-  groups.append(ProgramGroup("update", combos,
-                             functools.partial(_update_jobs, ctx, state, combos)))
+    return groups
+  # the key as a rollout's call passes it (its placement is part of the program)
+  key = sampling_lib.sample_key(jax.random.split(state_lib.stream_key(rng, "sample", 0))[0])
+  shards = sh.batch_shard_count(mesh, rules)
+  for name, (scfg, n, buckets) in shapes_lib.sampler_programs(
+      parts, shards, sampling_lib.mesh_processes(mesh), **kw).items():
+    groups.append(ProgramGroup(f"{label}{name} (static sampler)", buckets, functools.partial(
+        _sampler_jobs, ctx, params, key, scfg, n, buckets)))
   return groups
 
 

@@ -103,6 +103,11 @@ def test_two_processes_kill_resume_and_eta0_equals_the_synchronous_run(tmp_path)
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   assert all(r["staleness/max"] == 0 and "async/rollout_busy" in r for r in rows)
   assert all(r["async/sync_bytes"] > 0 and r["async/pull_bytes"] >= 0 for r in rows)
+  # the compile sets, the trainer's and the rollout process's own (issue 29): after the
+  # first step of each run (steps 1 and 3) neither side compiles a program
+  assert [(r["compile/after_start"], r["rollout/compile_after_start"])
+          for r in rows if r["step"] in (2, 4)] == [(0, 0), (0, 0)], rows
+  assert "rollout process 1: compile set: " in _text(second[1]), _text(second[1])[-3000:]
   a, b = np.load(tmp_path / "split.npz"), np.load(tmp_path / "ref.npz")
   assert len(a.files) == len(b.files) > 0
   for k in a.files:

@@ -27,6 +27,7 @@ from fbos_jax.program_cache import count_compiles
 from fbos_jax.rl import assemble
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import shapes
+from fbos_jax.rl import sources
 from fbos_jax.rl.trainer import RLTrainer
 
 PARITY = "fbos_jax.testing.small:parity_reward"  # round 2 has rows every step
@@ -132,6 +133,35 @@ def test_no_compile_after_the_first_step(engine, small, one_device_mesh, tmp_pat
   rows = [r for r in hist if "compile/after_start" in r]
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert [r["compile/after_start"] for r in rows[1:]] == [0, 0], events
+  assert [e.call for e in events if e.call] == []
+
+
+@pytest.mark.parametrize("eta", [0, 1])
+@pytest.mark.slow  # default suite under 15 min (issue 35): .ci/run runs the slow set too
+def test_a_split_run_compiles_its_rollout_programs_before_step_1(eta, small, tmp_path):
+  """AReaL's split on a thread (rl.rollout_devices=4 of 8): the compile set holds
+  the rollout worker's programs on its own mesh (the static sampler at eta 0; at
+  eta 1 the engine streaming the steps, round 1 and round 2 in one run) besides
+  the trainer's update, so neither side compiles a program after step 1."""
+  over = {"data.verifier": PARITY, "train.steps": 3, "rl.rollout_devices": 4,
+          "rl.max_staleness": eta, "sampling.prompt_buckets": (32,),
+          "sampling.fap_prompt_buckets": (128, 656)}
+  if eta:
+    over.update({"engine.slots": 8, "engine.page_size": 8, "engine.bucket_growth": 0})
+  tr = RLTrainer(small("configs/fbos.py:tiny", **over), str(tmp_path))
+  assert isinstance(tr.source, sources.ThreadSource)
+  state = tr.init_state()
+  report = tr.compile_at_start(state)
+  names = list(report["groups"])
+  rollout = [n for n in names if n.startswith("rollout ")]
+  kind = "rounds (streamed) (engine)" if eta else "sample_round1 (static sampler)"
+  assert f"rollout {kind}" in rollout and "update" in names, names
+  _, hist = tr.train(state)
+  events = list(tr.compile_watch.events)
+  tr.close()
+  rows = [r for r in hist if "compile/after_start" in r]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert [r["compile/after_start"] for r in rows[1:]] == [0, 0], [e.describe() for e in events]
   assert [e.call for e in events if e.call] == []
 
 

@@ -443,6 +443,18 @@ def test_split_plan_puts_the_engine_programs_on_the_rollout_side(monkeypatch):
       [("update", 2)] + [(f"{b}/{k}", 2) for b in ("sample_round1", "sample_round2")
                          for k in plan_lib.ENGINE_KINDS])
   assert plan["sides"]["rollout"]["largest_program"] == 2 ** 20 and plan["fits"]
+  # each side's compile set: the rollout (one process) streams the steps through one
+  # engine run; the trainer holds the update (and the eval's samplers), no round
+  cs = plan["compile_set"]
+  assert list(cs["rollout"]["groups"]) == ["rounds (streamed) (engine)"], cs["rollout"]
+  assert cs["rollout"]["programs"] > 0 and "update" in cs["trainer"]["groups"]
+  assert not [n for n in cs["trainer"]["groups"] if n.startswith(("sample_", "rounds"))]
+  assert "rollout side's compile set" in async_split.format_split_plan(plan)
+  # several rollout processes (2 hosts of v5p:2x4x2) sample step by step
+  # (fbos_jax/rl/remote.py): one engine per round, none streamed
+  meshes = async_split.split_meshes(c, hw.topology_devices("v5p:2x4x2"), 8)
+  cs = async_split.split_compile_sets(c, plan_lib.plan_parts(c), meshes, {})
+  assert list(cs["rollout"]["groups"]) == ["sample_round1 (engine)", "sample_round2 (engine)"]
   monkeypatch.setattr(async_split.shapes_lib, "sampler_shapes", lambda *a, **k: {})
   with pytest.raises(RuntimeError, match="no program of the rollout side"):
     async_split.compile_split_plan(c, "v5p:2x2x1", 2)

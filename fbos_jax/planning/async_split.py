@@ -160,11 +160,32 @@ def compile_split_plan(config, topology: str, rollout_devices: int, *,
     peaks[side] = {"largest_program": peak, "async_extra": int(extra),
                    "peak": int(peak + extra), "errors": [r.name for r in bad]}
   fits = all(not p["errors"] and p["peak"] <= frac * hbm for p in peaks.values())
-  return {"topology": topology, "chip": chip.name, "hbm_bytes": hbm, "fit_fraction": frac,
+  return {"compile_set": split_compile_sets(config, parts, meshes, reports),
+          "topology": topology, "chip": chip.name, "hbm_bytes": hbm, "fit_fraction": frac,
           "rollout_devices": rollout_devices, "trainer_devices": meshes.trainer.size,
           "meshes": {"trainer": dict(meshes.trainer.shape), "rollout": dict(meshes.rollout.shape)},
           "programs": reports, "sides": peaks, "sync": sync, "fits": fits,
           "suggestions": suggestions}
+
+
+def split_compile_sets(config, parts, meshes: SplitMeshes, reports: dict) -> dict:
+  """Each side's compile set (``fbos_jax/compile_set.py``, counted as
+  :func:`fbos_jax.planning.programs.compile_set_plan` counts it): the rollout's
+  rounds (one rollout process streams the steps through one engine run; several
+  sample step by step, ``fbos_jax/rl/remote.py``), the trainer's eval and update."""
+  procs = lambda mesh: len({getattr(d, "process_index", 0) for d in mesh.devices.flat})
+  timed = lambda side: {k.split("/", 1)[1]: r for k, r in reports.items()
+                        if k.startswith(side + "/")}
+  pr = procs(meshes.rollout)
+  streamed = (parts.sampling.engine == "continuous" and pr == 1) or None
+  evals = config.train.eval_prompts if config.train.eval_every > 0 else 0
+  return {"rollout": plan_lib.compile_set_plan(parts, meshes.rollout, meshes.rules,
+                                               timed("rollout"), processes=pr,
+                                               streamed=streamed, update=False),
+          "trainer": plan_lib.compile_set_plan(parts, meshes.trainer, meshes.rules,
+                                               timed("trainer"), processes=procs(meshes.trainer),
+                                               eval_prompts=evals, eval_k=config.train.eval_k,
+                                               rounds=False)}
 
 
 def _fit_update(parts, meshes: SplitMeshes, budget: float, say):
@@ -206,6 +227,9 @@ def format_split_plan(plan: dict) -> str:
   for name, flag in plan.get("suggestions", {}).items():
     lines.append(f"  {name} fits with {flag} (the trainer has {plan['trainer_devices']} of the "
                  "chips; the figures above are at that setting)")
+  for side, cset in plan.get("compile_set", {}).items():
+    lines += [f"{side} side's " + line if i == 0 else line
+              for i, line in enumerate(plan_lib.format_compile_set(cset))]
   lines.append("fits: " + ("yes" if plan["fits"] else "NO"))
   return "\n".join(lines)
 

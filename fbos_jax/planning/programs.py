@@ -442,20 +442,24 @@ def compile_plan(config, topology: str, *, search: bool = True,
 
 
 def compile_set_plan(parts, mesh, rules, reports: dict, *, processes: int = 1,
-                     eval_prompts: int = 0, eval_k: int = 1) -> dict:
+                     eval_prompts: int = 0, eval_k: int = 1, rounds: bool = True,
+                     streamed=None, update: bool = True) -> dict:
   """The run's compile set on ``mesh`` (``fbos_jax/compile_set.py``: every
   program it can call, compiled before step 1), counted from the shape model,
   and its compile time estimated from ``reports`` (each program at its kind's
   largest shape, compiled by the plan on this machine; smaller buckets compile
-  about as fast or faster). Returns {"programs": count, "est_seconds": seconds,
-  "groups": {name: {"programs": n, "est_seconds": s, "kinds": {kind: n}}}}."""
+  about as fast or faster). ``rounds`` / ``streamed``: as
+  :func:`fbos_jax.compile_set.sampler_groups`, and ``update=False`` (a split's
+  rollout side). Returns
+  {"programs": count, "est_seconds": seconds, "groups": {name: {"programs": n,
+  "est_seconds": s, "kinds": {kind: n}}}}."""
   from fbos_jax.engine import Engine, EngineError
   shards = sh.batch_shard_count(mesh, rules)
-  kw = dict(eval_prompts=eval_prompts, eval_k=eval_k)
+  kw = dict(eval_prompts=eval_prompts, eval_k=eval_k, rounds=rounds)
   secs = lambda name: reports[name].seconds if name in reports else 0.0
   groups = {}
   if parts.sampling.engine == "continuous":
-    for names, scfg, n_max in shapes_lib.engine_runs(parts, **kw):
+    for names, scfg, n_max in shapes_lib.engine_runs(parts, streamed=streamed, **kw):
       label = " + ".join(names) + " (engine)"
       try:
         eng = Engine(parts.model, scfg, parts.sampling.engine_config, mesh=mesh, rules=rules)
@@ -475,9 +479,10 @@ def compile_set_plan(parts, mesh, rules, reports: dict, *, processes: int = 1,
                                                              **kw).items():
       groups[f"{name} (static sampler)"] = {"programs": len(buckets), "kinds": {},
                                             "est_seconds": len(buckets) * secs(name)}
-  n_update = len(shapes_lib.update_programs(parts, shards, processes))
-  groups["update"] = {"programs": n_update, "kinds": {},
-                      "est_seconds": n_update * secs("update")}
+  if update:
+    n_update = len(shapes_lib.update_programs(parts, shards, processes))
+    groups["update"] = {"programs": n_update, "kinds": {},
+                        "est_seconds": n_update * secs("update")}
   return {"programs": sum(g["programs"] for g in groups.values()),
           "est_seconds": sum(g["est_seconds"] for g in groups.values()), "groups": groups}
 
@@ -492,8 +497,10 @@ def format_compile_set(cset: dict) -> list[str]:
       lines.append(f"  {name:<36} refused by the engine: {g['refused']}")
       continue
     kinds = ", ".join(f"{v} {k}" for k, v in g["kinds"].items())
+    timed = (f", ~{g['est_seconds']:.0f} s" if g["est_seconds"] or not g["programs"]
+             else ", not timed (this plan compiles none of them)")
     lines.append(f"  {name:<36} {g['programs']:>5} programs{' (' + kinds + ')' if kinds else ''}"
-                 f", ~{g['est_seconds']:.0f} s")
+                 + timed)
   lines.append("  knobs: engine.bucket_growth (fewer row / page / chunk / copy buckets), "
                "engine.row_buckets / page_buckets / prefill_buckets, sampling.batch_buckets, "
                "the prompt buckets, rl.fixed_row_buckets (padded) or a larger "

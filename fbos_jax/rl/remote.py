@@ -210,7 +210,8 @@ class ProcessSource:
       _put_json("taken", k + 1)
     self._data, self._busy = meta["data_state"], meta["busy_s"]
     return sources.StepItem(k, traj, meta["data_state"], meta["admit_version"],
-                            {"async/pull_s": meta["pull_s"], "async/pull_bytes": meta["pull_bytes"]})
+                            {"async/pull_s": meta["pull_s"], "async/pull_bytes": meta["pull_bytes"],
+                             "rollout/compile_after_start": meta["compiles"]})
 
   def data_state(self):
     return self._data
@@ -288,6 +289,14 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
   config_lib.validate(config, sh.batch_shard_count(mesh, rules),
                       process_count=distributed.process_count())
   ctx = RolloutContext.build(config, workdir, mesh=mesh)
+  streamed = ctx.parts.sampling.engine == "continuous" and distributed.process_count() == 1
+  # the compile set first (on a pod, while the trainer compiles its own): the params
+  # as the weight sync places them on this mesh, a key as the run's rng gives it
+  watch = _compile_at_start(
+      config, ctx, state_lib.compute_abstract(
+          state_lib.abstract_state(ctx.parts, mesh, rules).params, ctx.parts.model),
+      state_lib.root_rng(ctx.parts.seed), streamed or None,
+      acfg.inflight_update == "recompute")
   it = sources.train_iterator(config, ctx)
   chan = Channel()
   me = rollout.index
@@ -297,9 +306,9 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
   shapes = _json(f"wmeta/{me}", "the trainer's weights")
   specs = jax.tree.leaves(state_lib.param_specs(ctx.parts, mesh, rules),
                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  policy = RemotePolicy(chan, me, trainer, [
-      jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=NamedSharding(mesh, p))
-      for (s, d), p in zip(shapes, specs)], acfg.inflight_update, acfg.sync_timeout_s)
+  abstract = [jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=NamedSharding(mesh, p))
+              for (s, d), p in zip(shapes, specs)]
+  policy = RemotePolicy(chan, me, trainer, abstract, acfg.inflight_update, acfg.sync_timeout_s)
   policy.treedef = jax.tree.structure(state_lib.abstract_state(ctx.parts, mesh, rules).params)
   rng = np.asarray(start["rng"], np.uint32)
   gfpo = _gfpo_tree([np.asarray(x) for x in start["gfpo"]], ctx, mesh, rules)
@@ -318,14 +327,16 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
 
   def send(item: sources.StepItem):
     leaves = [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(item.traj.gfpo)]
+    compiled = _compiles_after_start(watch, item.k, first)
     _send(chan, item, leaves, {"busy_s": busy(), "pull_s": policy.pull_s - pulled[0],
-                               "pull_bytes": float(policy.pull_bytes - pulled[1])})
+                               "pull_bytes": float(policy.pull_bytes - pulled[1]),
+                               "compiles": compiled})
     pulled[:] = [policy.pull_s, policy.pull_bytes]
 
   logging.info("rollout process %d: batches %d..%d for trainer process %d", jax.process_index(),
                first, stop - 1, policy.pair)
   _wait_until(lambda: ready(first), f"waiting to sample batch {first}")
-  if ctx.parts.sampling.engine == "continuous" and distributed.process_count() == 1:
+  if streamed:
     sources.stream_steps(ctx, policy, it, rng=rng, gfpo=gfpo, start=first, stop=stop,
                          admit=ready, put=send, busy=busy)  # never drains between steps
   else:  # (several rollout processes agree on shapes at each step's end: step by step)
@@ -341,6 +352,31 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
       busy.mark(False)
       send(sources.StepItem(k, traj, data_state, admit))
   ctx.close()
+  if watch is not None:
+    watch.close()
+
+
+def _compile_at_start(config, ctx, params, rng, streamed, recompute: bool):
+  """The rollout process's compile set (``train.compile_at_start``;
+  ``fbos_jax.compile_set.rollout_programs``), compiled before its first batch;
+  returns the watch that counts the compiles after it (None when off)."""
+  from fbos_jax import compile_set
+  from fbos_jax import program_cache
+  if not config.train.compile_at_start:
+    return None
+  groups = compile_set.rollout_programs(ctx, params, rng, streamed=streamed, recompute=recompute)
+  say = lambda line: print(f"rollout process {jax.process_index()}: {line}", flush=True)
+  compile_set.compile_all(groups, progress=config.train.progress, say=say)
+  return program_cache.CompileWatch()
+
+
+def _compiles_after_start(watch, k: int, first: int) -> int:
+  """The compiles since the last batch sent (0 without a compile set), each warned
+  about as the trainer's are (``fbos_jax.compile_set.after_start``)."""
+  from fbos_jax import compile_set
+  if watch is None:
+    return 0
+  return compile_set.after_start(watch.take(), k + 1, first=k == first)["compile/after_start"]
 
 
 def _taken(first: int) -> int:

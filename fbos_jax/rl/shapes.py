@@ -27,6 +27,7 @@ come from the engine config, not from the call's size.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from fbos_jax import buckets
 from fbos_jax.rl import batch_kinds
@@ -209,12 +210,15 @@ def packed_update_shapes(parts: RunParts, batch_shards: int, *, lengths=None,
   return out
 
 
-def sampler_calls(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1) -> dict:
+def sampler_calls(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1,
+                  rounds: bool = True) -> dict:
   """{name: (prompts, samples per prompt, SamplingConfig)} of every sampler call
-  one step (and the eval, with ``eval_prompts`` > 0) makes, whole (not chunked)."""
+  one step (``rounds``: its rollout rounds; False for a split's trainer, whose
+  rollout samples elsewhere) and the eval (with ``eval_prompts`` > 0) make,
+  whole (not chunked)."""
   spec, sp = parts.rollout, parts.sampling
-  out = {"sample_round1": (spec.prompts_per_step, spec.group_size, sp.round1)}
-  if spec.round2:
+  out = {"sample_round1": (spec.prompts_per_step, spec.group_size, sp.round1)} if rounds else {}
+  if spec.round2 and rounds:
     if spec.fap_mode == "aggregated":
       out["sample_round2"] = (spec.prompts_per_step, spec.round2_size, sp.round2)
     else:
@@ -268,7 +272,7 @@ def _per_process(n: int, processes: int) -> int:
 
 
 def sampler_programs(parts: RunParts, batch_shards: int, processes: int = 1, *,
-                     eval_prompts: int = 0, eval_k: int = 1) -> dict:
+                     eval_prompts: int = 0, eval_k: int = 1, rounds: bool = True) -> dict:
   """{call name: (SamplingConfig, n, [(batch bucket, prompt bucket), ...])}: every
   static-sampler program the calls of :func:`sampler_calls` can take. A call of k
   prompts is cut into :func:`fbos_jax.sampling.call_buckets` chunks; k is fixed
@@ -278,7 +282,7 @@ def sampler_programs(parts: RunParts, batch_shards: int, processes: int = 1, *,
   local = max(int(batch_shards) // processes, 1) if processes > 1 else 1
   out = {}
   for name, (prompts, n, sampling) in sampler_calls(
-      parts, eval_prompts=eval_prompts, eval_k=eval_k).items():
+      parts, eval_prompts=eval_prompts, eval_k=eval_k, rounds=rounds).items():
     most = _per_process(prompts, processes)
     counts = range(1, most + 1) if name == "sample_round2" else (most,)
     bbs = sorted({b for k in counts
@@ -288,16 +292,20 @@ def sampler_programs(parts: RunParts, batch_shards: int, processes: int = 1, *,
   return out
 
 
-def engine_runs(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1) -> list:
+def engine_runs(parts: RunParts, *, eval_prompts: int = 0, eval_k: int = 1,
+                rounds: bool = True, streamed: Optional[bool] = None) -> list:
   """[(call names, SamplingConfig, most samples per request)]: one entry per
   engine the calls of :func:`sampler_calls` run on (calls with the same sampler
-  settings share one engine and its programs; ``rl.stream_rounds`` runs round 1
-  and round 2 in one engine, under round 2's settings)."""
-  calls = sampler_calls(parts, eval_prompts=eval_prompts, eval_k=eval_k)
-  if parts.rollout.stream_rounds and "sample_round2" in calls:
-    _, n1, _ = calls.pop("sample_round1")
-    p2, n2, s2 = calls.pop("sample_round2")
-    calls = {"rounds (streamed)": (p2, max(n1, n2), s2), **calls}
+  settings share one engine and its programs). ``streamed`` (default
+  ``rl.stream_rounds``; the asynchronous rollout's stream of steps): round 1 and
+  round 2 in one engine, under round 2's settings
+  (:class:`fbos_jax.rl.stream.StepStream`)."""
+  calls = sampler_calls(parts, eval_prompts=eval_prompts, eval_k=eval_k, rounds=rounds)
+  streamed = parts.rollout.stream_rounds if streamed is None else streamed
+  if streamed and "sample_round1" in calls:
+    p1, n1, _ = calls.pop("sample_round1")
+    p2, n2, _ = calls.pop("sample_round2", (p1, n1, None))
+    calls = {"rounds (streamed)": (max(p1, p2), max(n1, n2), parts.sampling.round2), **calls}
   runs: dict = {}
   for name, (_, n, sampling) in calls.items():
     names, most = runs.get(sampling, ((), 0))

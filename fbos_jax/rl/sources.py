@@ -385,6 +385,18 @@ class ThreadSource:
   def busy_s(self) -> float:
     return self.worker.busy_s() if self.worker is not None else 0.0
 
+  def programs(self, state) -> list:
+    """The worker's programs on the rollout mesh (``fbos_jax.compile_set.rollout_programs``):
+    the params as the weight sync places them, the key from the host copy of the
+    run's rng the worker holds; streamed on the continuous engine."""
+    from fbos_jax import compile_set
+    params = state_lib.compute_abstract(
+        state_lib.abstract_state(self.ctx.parts, self.rollout_mesh, self.rules).params,
+        self.ctx.parts.model)
+    return compile_set.rollout_programs(
+        self.ctx, params, state.rng, streamed=self.ctx.parts.sampling.engine == "continuous",
+        recompute=self.acfg.inflight_update == "recompute")
+
   def start(self, state, step: int, stop: int, policy):
     self._consumed = _iter_state(self.iterator)
     self.publish(policy, int(state.step))

@@ -168,20 +168,18 @@ class RLTrainer:
     """Compile every program the run can call (``fbos_jax/compile_set.py``: the
     samplers or the engine, the update, the eval's samplers) before step 1, with
     a progress bar, then count each compile after it in ``compile/after_start``
-    (warned, naming the program and its shapes). Returns {"programs": count,
-    "seconds": wall time, "groups": ...}. With a thread or process source (its
-    rollout samples on its own mesh, with in-flight weight updates) the set is not
-    enumerated: its programs compile on first call; returns None."""
+    (warned, naming the program and its shapes). With a rollout on a thread (its
+    own mesh) its programs are in the set too; rollout processes compile theirs
+    at their start (``fbos_jax/rl/remote.py``). Returns {"programs": count,
+    "seconds": wall time, "groups": ...}."""
     from fbos_jax import compile_set
     cfg = self.config
-    if not isinstance(self.source, sources.InlineSource):
-      (say or logging.info)("compile set: not enumerated for a rollout on a thread or in "
-                            "processes (rl.rollout_devices / rl.max_staleness); programs "
-                            "compile on first call")
-      return None
-    evals = len(self.eval_examples) * jax.process_count()
+    evals = len(self.eval_examples) * distributed.process_count()  # this side's
+    inline = isinstance(self.source, sources.InlineSource)
     groups = compile_set.run_programs(self.ctx, state, eval_prompts=evals,
-                                      eval_k=cfg.train.eval_k)
+                                      eval_k=cfg.train.eval_k, rounds=inline)
+    if isinstance(self.source, sources.ThreadSource):
+      groups = self.source.programs(state) + groups
     report = compile_set.compile_all(
         groups, progress=cfg.train.progress and jax.process_index() == 0, say=say)
     self.compile_watch = program_cache.CompileWatch()

@@ -38,6 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_DIM = 16  # Triton's smallest dot operand dimension
@@ -67,14 +68,14 @@ def _kernel(lens_ref, table_ref, q_ref, pages_ref, o_ref, *, page_size: int, sm_
     page = table_ref[j]
     k = pages_ref[page, :, 2 * h, :]  # [page_size, Dh]
     v = pages_ref[page, :, 2 * h + 1, :].astype(jnp.float32)
-    s = pl.dot(q, k.astype(q.dtype), trans_b=True).astype(jnp.float32) * sm_scale  # [Gp, ps]
+    s = plgpu.dot(q, k.astype(q.dtype), trans_b=True).astype(jnp.float32) * sm_scale  # [Gp, ps]
     pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (gp, page_size), 1)
     s = jnp.where(pos < length, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     l = alpha * l + p.sum(axis=1)
-    acc = alpha[:, None] * acc + pl.dot(p, v)  # float32: p unrounded (a decode step's
+    acc = alpha[:, None] * acc + plgpu.dot(p, v)  # float32: p unrounded (a decode step's
     # product is [G, page_size] x [page_size, Dh], its cost is the page's load)
     return m_new, l, acc
 
