@@ -203,7 +203,7 @@ def test_the_decode_window_on_a_sharded_mesh_has_no_all_gather(tiny):
   shapes = [s for s in eng.program_shapes() if s[0] == "window"]
   assert shapes
   with jax.set_mesh(mesh):
-    pool = eng._fn("init")()
+    pool = eng.program("init")()
   for shape in shapes:
     fn, args = eng.program_args(shape, params, pool)
     with jax.set_mesh(mesh):
@@ -299,13 +299,13 @@ def test_window_returns_early_for_a_refill_and_to_shrink(tiny):
   eng = E.Engine(cfg, sampling.make_config(**GREEDY),
                  E.EngineConfig(slots=4, page_size=4, window=8, staged=1, row_buckets=(4,),
                                 page_buckets=(6,)))
-  fn = eng._fn("window")
+  fn = eng.program("window")
   table = np.asarray([[1, 2, 3, 0, 0, 0], [4, 5, 6, 0, 0, 0], [7, 8, 9, 0, 0, 0],
                       [10, 11, 12, 0, 0, 0]], np.int32)
   i32 = lambda *x: np.asarray(x, np.int32)
 
   def call(min_idle, shrink_to, staged=0):
-    pool = eng._fn("init")()
+    pool = eng.program("init")()
     q = max(staged, 1)
     out = fn(params, pool, i32(3, 4, 5, 6), np.zeros(4, np.int32), np.zeros(4, np.int32),
              i32(2, 3, 9, 9), np.zeros((4, 2), np.uint32), np.arange(4, dtype=np.uint32),

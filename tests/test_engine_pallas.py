@@ -75,7 +75,7 @@ def ragged_stops(tokens) -> tuple:
 def spy_windows(eng):
   """Record every window call of ``eng``: (rows, steps run, staged rows taken,
   whether a slot took a staged row after decoding its own row in that window)."""
-  calls, get = [], eng._fn
+  calls, get = [], eng.program
 
   def window(*args):
     out = get("window")(*args)
@@ -85,7 +85,7 @@ def spy_windows(eng):
     calls.append((rows, steps, int(taken.sum()), mid))
     return out
 
-  eng._fn = lambda kind: window if kind == "window" else get(kind)
+  eng.program = lambda kind: window if kind == "window" else get(kind)
   return calls
 
 

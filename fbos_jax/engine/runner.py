@@ -258,7 +258,9 @@ class Engine:
 
   # ------------------------------------------------------------------------- helpers
 
-  def _fn(self, kind):
+  def program(self, kind: str):
+    """The jitted program ``kind`` (init | window | prefill) of this engine's
+    shapes and mesh (cached: one per engine configuration)."""
     return programs.get_fn(kind, self.cfg, self.st, mesh=self.mesh, rules=self.rules,
                            pages_per_shard=self.pages_per_shard)
 
@@ -387,7 +389,7 @@ class Engine:
           a["tail"][r] = len(p.pages) - 1
           a["copies"][r, :len(p.copies)] = p.copies
     with self._mesh_ctx():
-      return self._fn("prefill")(*self._prefill_args(params, pool, a))
+      return self.program("prefill")(*self._prefill_args(params, pool, a))
 
   def _prefill_arrays(self, bp: int, c: int, pb: int, nc: int) -> dict:
     """Host arrays of one prefill call (``bp`` rows per shard, ``c``-token chunk,
@@ -428,7 +430,7 @@ class Engine:
     nap = 0.0005
     try:
       with self._mesh_ctx():
-        pool = self._fn("init")()
+        pool = self.program("init")()
       while True:
         for req in feed.poll():
           waiting.append(self._check_request(req))
@@ -596,7 +598,7 @@ class Engine:
     args = self._window_args(params, pool, sa, qa, live, count, min_idle, shrink_to)
     t0 = time.perf_counter()
     with self._mesh_ctx():
-      pool, toks, lps, srcs, final, nxt, steps = self._fn("window")(*args)
+      pool, toks, lps, srcs, final, nxt, steps = self.program("window")(*args)
     row_off = sh.local_row_start(toks)  # this process's first slot (global)
     first_shard = row_off // rb
     toks, lps, srcs, final = (self._read(x, n) for x in (toks, lps, srcs, final))
@@ -725,17 +727,17 @@ class Engine:
     :meth:`program_shapes` entry: what a compile set lowers before the run."""
     kind = shape[0]
     if kind == "init":
-      return self._fn("init"), ()
+      return self.program("init"), ()
     if kind == "window":
       _, rb, qb, pb = shape
       n = self.local_shards * rb
       sa, qa = self._window_arrays(n, pb), self._window_arrays(self.local_shards * qb, pb)
-      return self._fn("window"), tuple(self._window_args(
+      return self.program("window"), tuple(self._window_args(
           params, pool, sa, qa, np.zeros((n,), bool), np.zeros((self.local_shards,), np.int32),
           1, -1))
     if kind == "prefill":
       _, bp, c, pb, nc = shape
-      return self._fn("prefill"), self._prefill_args(params, pool,
+      return self.program("prefill"), self._prefill_args(params, pool,
                                                        self._prefill_arrays(bp, c, pb, nc))
     raise ValueError(f"unknown engine program {shape!r}")
 
@@ -745,7 +747,7 @@ class Engine:
     compiled (any order, any thread). Allocates the page pool once, to read its
     placement, and compiles the init program."""
     with self._mesh_ctx():
-      pool = self._fn("init")()
+      pool = self.program("init")()
     pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(  # the placement, not the memory
         x.shape, x.dtype, sharding=x.sharding if x.committed else None), pool)
 

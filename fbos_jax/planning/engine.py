@@ -95,8 +95,8 @@ def abstract_programs(cfg: qwen.ModelConfig, scfg: sampling.SamplingConfig,
   nc = copies_bucket(eng, n_per_prompt) if n_per_prompt else eng.sps
   prefill_args = [params, pool, rows(b, c), rows(b), rows(b), rows(b, ppb), rows(b),
                   rows(b, nc)]
-  return {"engine_window": (eng._fn("window"), tuple(window_args)),
-          "engine_prefill": (eng._fn("prefill"), tuple(prefill_args)),
+  return {"engine_window": (eng.program("window"), tuple(window_args)),
+          "engine_prefill": (eng.program("prefill"), tuple(prefill_args)),
           "engine": eng}
 
 
