@@ -430,10 +430,11 @@ def test_split_plan_puts_the_engine_programs_on_the_rollout_side(monkeypatch):
   trainer mesh; a side the step has no program for is refused, never a 0-byte fit.
   (Compiling is stubbed: the plan's own tests compile these programs.)"""
   from fbos_jax.planning import async_split
-  compiled = []
+  compiled, resident = [], {}
 
   def fake_compile(prog, mesh):
     compiled.append((prog.name, mesh.size))
+    resident[prog.name] = prog.resident
     return plan_lib.ProgramReport(prog.name, prog.what, prog.knobs, prog.flops, argument=2 ** 20)
 
   monkeypatch.setattr(plan_lib, "compile_program", fake_compile)
@@ -455,6 +456,14 @@ def test_split_plan_puts_the_engine_programs_on_the_rollout_side(monkeypatch):
   meshes = async_split.split_meshes(c, hw.topology_devices("v5p:2x4x2"), 8)
   cs = async_split.split_compile_sets(c, plan_lib.plan_parts(c), meshes, {})
   assert list(cs["rollout"]["groups"]) == ["sample_round1 (engine)", "sample_round2 (engine)"]
+  # with a periodic eval the trainer also samples (its engine beside the train state)
+  c.train.eval_every, c.train.eval_prompts, c.train.eval_k = 5, 8, 2
+  compiled.clear()
+  plan = async_split.compile_split_plan(c, "v5p:2x2x1", 2)
+  assert sorted(n for n, _ in compiled if not n.startswith("sample_")) == sorted(
+      ["update"] + [f"{e}/{k}" for e in ("eval_greedy", "eval_sampled")
+                    for k in plan_lib.ENGINE_KINDS])
+  assert resident["eval_greedy/window"] > 0 and plan["fits"]  # the state held beside it
   monkeypatch.setattr(async_split.shapes_lib, "sampler_shapes", lambda *a, **k: {})
   with pytest.raises(RuntimeError, match="no program of the rollout side"):
     async_split.compile_split_plan(c, "v5p:2x2x1", 2)

@@ -109,21 +109,29 @@ def plan_sync(parts, meshes: SplitMeshes, chunk_bytes: int, chip) -> dict:
           "est_s": per_host / DCN_BYTES_PER_S_PER_HOST, "same_shape": same}
 
 
-def _programs(parts, mesh, rules, names, eval_prompts=0, eval_k=1):
+def _programs(parts, mesh, rules, names, eval_prompts=0, eval_k=1, state_resident=False):
   """The step's programs of the calls ``names`` (a sampler call on the continuous
   engine is two programs, ``NAME/window`` and ``NAME/prefill``). The rollout side
-  of a split does not hold the train state."""
+  of a split does not hold the train state; the trainer's eval samples beside it."""
   return [p for p in plan_lib.step_programs(parts, mesh, rules, eval_prompts=eval_prompts,
-                                            eval_k=eval_k, state_resident=False)
+                                            eval_k=eval_k, state_resident=state_resident)
           if p.name.split("/")[0] in names]
+
+
+def _trainer_calls(config) -> tuple:
+  """The trainer side's programs: the update, and the periodic eval's samplers."""
+  if config.train.eval_every <= 0 or config.train.eval_prompts <= 0:
+    return ("update",)
+  return ("update", "eval_greedy") + (("eval_sampled",) if config.train.eval_k > 1 else ())
 
 
 def compile_split_plan(config, topology: str, rollout_devices: int, *,
                        chunk_bytes: int = 512 * 2 ** 20,
                        progress: Optional[Callable[[str], None]] = None) -> dict:
-  """Compile the split plan of ``config`` on ``topology``: the update on the trainer
-  mesh, the rollout samplers on the rollout mesh, the sync planned; every side
-  checked to fit (with the numbers; ``fits`` False otherwise)."""
+  """Compile the split plan of ``config`` on ``topology``: the update and the
+  periodic eval's samplers (beside the train state) on the trainer mesh, the
+  rollout samplers on the rollout mesh, the sync planned; every side checked to
+  fit (with the numbers; ``fits`` False otherwise)."""
   say = progress or (lambda s: None)
   devices = hw.topology_devices(topology)
   meshes = split_meshes(config, devices, rollout_devices)
@@ -133,9 +141,12 @@ def compile_split_plan(config, topology: str, rollout_devices: int, *,
   samplers = tuple(shapes_lib.sampler_shapes(parts, sh.batch_shard_count(meshes.rollout,
                                                                          meshes.rules)))
   reports, suggestions = {}, {}
-  for side, mesh, names in (("trainer", meshes.trainer, ("update",)),
+  evals = config.train.eval_prompts if config.train.eval_every > 0 else 0
+  for side, mesh, names in (("trainer", meshes.trainer, _trainer_calls(config)),
                             ("rollout", meshes.rollout, samplers)):
-    progs = _programs(parts, mesh, meshes.rules, names)
+    trainer = side == "trainer"
+    progs = _programs(parts, mesh, meshes.rules, names, eval_prompts=evals if trainer else 0,
+                      eval_k=config.train.eval_k, state_resident=trainer)
     if not progs:  # a side without programs would "fit" with 0 bytes
       raise RuntimeError(f"split plan: no program of the {side} side ({', '.join(names)}) "
                          f"among the step's programs")
