@@ -9,8 +9,9 @@ finished and waited in jax's exit barrier for the dead peer); the trainer stops
 within 60 s naming the lost process; the same command on the same workdir
 resumes from the step-2 checkpoint, trains steps 3-4 once each (no
 prompt lost or trained twice) and ends with the params of the one-process
-synchronous run (4 devices) within 1e-5. A few minutes on 2 loaded cores (most of
-it compiles).
+synchronous run (4 devices) within 1e-5; each side compiles its set before its
+first step, and neither compiles after it. A few minutes on 2 loaded cores (most
+of it compiles).
 """
 
 from __future__ import annotations
