@@ -40,6 +40,7 @@ from fbos_jax.engine.types import EngineError
 from fbos_jax.rl import split as split_lib
 from fbos_jax.rl import config as config_lib
 from fbos_jax.rl import shapes as shapes_lib
+from fbos_jax.rl import sources
 from fbos_jax.rl import state as state_lib
 from fbos_jax.rl import weight_sync
 
@@ -188,7 +189,7 @@ def split_compile_sets(config, parts, meshes: SplitMeshes, reports: dict) -> dic
   timed = lambda side: {k.split("/", 1)[1]: r for k, r in reports.items()
                         if k.startswith(side + "/")}
   pr = procs(meshes.rollout)
-  streamed = (parts.sampling.engine == "continuous" and pr == 1) or None
+  streamed = sources.streams_steps(parts, pr) or None
   evals = config.train.eval_prompts if config.train.eval_every > 0 else 0
   return {"rollout": plan_lib.compile_set_plan(parts, meshes.rollout, meshes.rules,
                                                timed("rollout"), processes=pr,

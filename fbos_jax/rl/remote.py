@@ -289,7 +289,7 @@ def _rollout_loop(config, workdir: str, trainer, rollout):
   config_lib.validate(config, sh.batch_shard_count(mesh, rules),
                       process_count=distributed.process_count())
   ctx = RolloutContext.build(config, workdir, mesh=mesh)
-  streamed = ctx.parts.sampling.engine == "continuous" and distributed.process_count() == 1
+  streamed = sources.streams_steps(ctx.parts, distributed.process_count())
   # the compile set first (on a pod, while the trainer compiles its own): the params
   # as the weight sync places them on this mesh, a key as the run's rng gives it
   watch = _compile_at_start(

@@ -278,6 +278,15 @@ class StepBuffer:
     return item
 
 
+def streams_steps(parts, rollout_processes: int = 1) -> bool:
+  """Whether an asynchronous rollout streams its steps through one continuous-engine
+  run (:func:`stream_steps`: round 1 and round 2 of every step under round 2's
+  settings, never draining between steps): on the continuous engine, in one
+  process; several rollout processes sample step by step (they agree on shapes
+  at each step's end, ``fbos_jax/rl/remote.py``)."""
+  return parts.sampling.engine == "continuous" and int(rollout_processes) == 1
+
+
 class RolloutWorker(threading.Thread):
   """Samples step batches ``start .. stop - 1`` with the store's params and puts
   them in the buffer, each admitted by :func:`admitted`."""
@@ -294,7 +303,7 @@ class RolloutWorker(threading.Thread):
   def run(self):
     try:
       b = self.ctx.spec.prompts_per_step
-      if self.ctx.parts.sampling.engine == "continuous":  # AReaL's streaming: never drains
+      if streams_steps(self.ctx.parts):  # AReaL's streaming: never drains
         admit = lambda k, in_flight: (admitted(k, self.store.current()[1], b, self.eta)
                                       and len(self.buffer) + in_flight < self.buffer.capacity)
         self.gfpo = stream_steps(self.ctx, self.store, self.iterator, rng=self.rng, gfpo=self.gfpo,
@@ -394,7 +403,7 @@ class ThreadSource:
         state_lib.abstract_state(self.ctx.parts, self.rollout_mesh, self.rules).params,
         self.ctx.parts.model)
     return compile_set.rollout_programs(
-        self.ctx, params, state.rng, streamed=self.ctx.parts.sampling.engine == "continuous",
+        self.ctx, params, state.rng, streamed=streams_steps(self.ctx.parts),
         recompute=self.acfg.inflight_update == "recompute")
 
   def start(self, state, step: int, stop: int, policy):
