@@ -846,41 +846,61 @@ class VerifierPool:
     return f"no verdict within {self.timeout_s:g} s"
 
   def _run_threads(self, examples, responses):
-    """Returns a list of (status, payload, latency_s) in input order."""
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    out: list[Any] = [None] * len(examples)
-    running: dict[int, tuple[float, threading.Thread]] = {}
+    """Returns a list of (status, payload, latency_s) in input order.
+
+    ``num_workers`` threads each take the next call when their last one is
+    done (not a thread started per call: 1,280 for one eval of the tiny run).
+    A call past ``timeout_s`` (from its own start) is a timeout: its thread is
+    abandoned (it takes no further call) and another takes its place."""
+    n = len(examples)
+    done: queue.SimpleQueue = queue.SimpleQueue()  # one item per call settled by a thread
+    out: list[Any] = [None] * n
+    calls = iter(range(n))
+    running: dict[int, tuple[float, threading.Thread]] = {}  # in flight: i -> (start, thread)
+    lock = threading.Lock()
     verifier = self.verifier
 
-    def work(i):
-      start = time.monotonic()
-      status, payload = _call(verifier, examples[i], responses[i])
-      done.put((i, status, payload, time.monotonic() - start))
+    def work():
+      me = threading.current_thread()
+      while True:
+        with lock:
+          i = next(calls, None)
+          if i is None:
+            return
+          running[i] = (time.monotonic(), me)
+        start = time.monotonic()
+        status, payload = _call(verifier, examples[i], responses[i])
+        with lock:
+          if running.pop(i, None) is None:  # timed out: this thread is abandoned
+            return
+          out[i] = (status, payload, time.monotonic() - start)
+        done.put(i)
 
-    next_i = 0
-    while next_i < len(examples) or running:
-      while next_i < len(examples) and len(running) < self.num_workers:
-        th = threading.Thread(
-            target=work, args=(next_i,), daemon=True, name=f"verifier-{next_i}")
-        running[next_i] = (time.monotonic(), th)
-        th.start()
-        next_i += 1
-      deadline = min(t for t, _ in running.values()) + self.timeout_s
+    def spawn(k):
+      for _ in range(k):
+        threading.Thread(target=work, daemon=True,
+                         name=f"verifier-{next(self._sub_names)}").start()
+
+    spawn(min(self.num_workers, n))
+    left = n
+    while left:
+      with lock:
+        first = min((t for t, _ in running.values()), default=time.monotonic())
       try:
-        i, status, payload, latency = done.get(
-            timeout=max(0.0, deadline - time.monotonic()))
-        if i in running:  # else: an abandoned call finishing late
-          del running[i]
-          out[i] = (status, payload, latency)
+        done.get(timeout=max(0.0, first + self.timeout_s - time.monotonic()))
+        left -= 1
       except queue.Empty:
         pass
       now = time.monotonic()
-      for i, (start, th) in list(running.items()):
-        if now - start >= self.timeout_s:
+      with lock:
+        late = [(i, s, th) for i, (s, th) in running.items() if now - s >= self.timeout_s]
+        for i, s, th in late:
           del running[i]
-          with self._lock:
-            self._abandoned.append(th)
-          out[i] = ("timeout", self._timeout_detail(), now - start)
+          out[i] = ("timeout", self._timeout_detail(), now - s)
+      with self._lock:
+        self._abandoned.extend(th for _, _, th in late)
+      left -= len(late)
+      spawn(len(late))  # the abandoned threads' places
     return out
 
   def _new_workers(self, n: int) -> list[_ProcessWorker]:
