@@ -13,7 +13,6 @@ The last line of output is JSON.
 import json
 import queue
 import statistics
-import sys
 import threading
 import time
 
@@ -45,7 +44,6 @@ def _thread_per_call(verifier, examples, responses, workers: int) -> list:
 
 def main(argv):
   del argv
-  sys.path.insert(0, ".")
   from fbos_jax.verifiers.base import Verdict, VerifierPool
 
   def verifier(example, response):
